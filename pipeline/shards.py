@@ -1,0 +1,214 @@
+"""Writing scored shards and keeping the dataset folder consistent across crashes and reruns.
+
+* A shard is written as ``.shard-NNNNNN.parquet.tmp-<random>``, fsynced, renamed to
+  ``shard-NNNNNN.parquet``; only then is its marker ``shard-NNNNNN.done.json`` written (atomically).
+  A shard without a marker is unfinished and is redone whole on the next run.
+* ``manifest.json`` is written at the start of a run (identity, no shards yet or the shards already
+  done) and rewritten from the markers as shards finish; readers use the shards it lists.
+* A folder scored with another identity (teacher, tokenizer, window, corpus, plan) is refused with
+  the list of differences, unless ``overwrite`` is set, which deletes its shards first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.teacher import ScoredDocument, ShardResult
+from storage_schemas import (
+    MANIFEST_NAME,
+    ROW_SCHEMA,
+    SCHEMA_VERSION,
+    file_sha256,
+    marker_name,
+    schema_with_metadata,
+    shard_name,
+    write_json_atomic,
+)
+from storage_schemas.scored import SHARD_RE, iter_identity_differences
+
+
+class DatasetMismatchError(RuntimeError):
+    """The output folder holds a dataset scored with another identity."""
+
+
+# ---------------------------------------------------------------------------------------------
+# One shard
+
+
+def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array(values.astype(value_type.to_pandas_dtype(), copy=False), value_type)
+    )
+
+
+def documents_table(docs: Sequence[ScoredDocument], schema: pa.Schema = ROW_SCHEMA) -> pa.Table:
+    columns = [
+        pa.array([d.doc_id for d in docs], pa.string()),
+        pa.array([d.text for d in docs], pa.string()),
+        _list_array([d.ids for d in docs], pa.int32()),
+        _list_array([d.starts for d in docs], pa.int32()),
+        _list_array([d.ends for d in docs], pa.int32()),
+        _list_array([d.losses for d in docs], pa.float32()),
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def write_shard(
+    folder: str | os.PathLike,
+    index: int,
+    result: ShardResult,
+    identity: dict,
+    shard_source: dict,
+    code_version: str,
+    compression: str = "zstd",
+) -> dict:
+    """Write one shard atomically, then its completion marker; returns the marker entry."""
+    folder = Path(folder)
+    final = folder / shard_name(index)
+    tmp = folder / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    schema = schema_with_metadata(identity, {"index": index, **shard_source}, code_version)
+    table = documents_table(result.documents, schema)
+    try:
+        pq.write_table(table, tmp, compression=compression, row_group_size=1024)
+        _fsync_file(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(folder)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    entry = {
+        "file": final.name,
+        "index": index,
+        "rows": table.num_rows,
+        "tokens": int(sum(len(d.ids) for d in result.documents)),
+        "bytes": final.stat().st_size,
+        "sha256": file_sha256(final),
+        "source": shard_source,
+        "reasons": dict(sorted(result.reasons.items())),
+        "skipped": result.skipped,
+    }
+    write_json_atomic(folder / marker_name(index), entry)
+    return entry
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dataset folder
+
+
+def prepare_output(folder: str | os.PathLike, identity: dict, overwrite: bool) -> dict[int, dict]:
+    """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries.
+
+    Refuses (``DatasetMismatchError``) a folder scored with another identity or holding shards
+    without a manifest, unless ``overwrite``. Leftover temporary files are removed.
+    """
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST_NAME
+    if folder.exists() and not folder.is_dir():
+        raise DatasetMismatchError(f"{folder}: exists and is not a folder")
+    if folder.is_dir():
+        problem = _folder_problem(folder, identity)
+        if problem and not overwrite:
+            raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
+        if problem:
+            _clear_dataset(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for leftover in folder.glob(".*.tmp-*"):
+        leftover.unlink()
+    done = finished_shards(folder)
+    if not manifest_path.exists() or done:
+        write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"])
+    return done
+
+
+def _folder_problem(folder: Path, identity: dict) -> str | None:
+    manifest_path = folder / MANIFEST_NAME
+    if manifest_path.exists():
+        try:
+            old = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as exc:
+            return f"{manifest_path}: unreadable manifest ({exc})"
+        if old.get("schema_version") != SCHEMA_VERSION:
+            return f"{folder}: holds schema version {old.get('schema_version')!r}, this code writes {SCHEMA_VERSION}"
+        diffs = list(iter_identity_differences(old.get("identity", {}), identity))
+        if diffs:
+            return f"{folder} was scored with a different setup:\n  " + "\n  ".join(diffs)
+        return None
+    if any(folder.glob("shard-*.parquet")):
+        return f"{folder}: holds shard files but no {MANIFEST_NAME}; its origin is unknown"
+    return None
+
+
+def _clear_dataset(folder: Path) -> None:
+    for path in folder.iterdir():
+        if SHARD_RE.match(path.name) or path.name.endswith(".done.json") or path.name == MANIFEST_NAME:
+            path.unlink()
+        elif path.name.startswith(".") and ".tmp-" in path.name:
+            path.unlink()
+        elif path.is_dir() and path.name.startswith("."):
+            shutil.rmtree(path)
+
+
+def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:
+    """Entries of shards whose marker exists and whose file matches the marker's size."""
+    folder = Path(folder)
+    done = {}
+    for marker in sorted(folder.glob("shard-*.done.json")):
+        try:
+            entry = json.loads(marker.read_text())
+        except json.JSONDecodeError:
+            continue  # a torn marker cannot happen with atomic writes, but never trust it
+        shard = folder / entry.get("file", "")
+        if SHARD_RE.match(entry.get("file", "")) and shard.is_file() and shard.stat().st_size == entry.get("bytes"):
+            done[int(entry["index"])] = entry
+    return done
+
+
+def write_manifest(folder: str | os.PathLike, identity: dict, done: dict[int, dict], n_planned: int, code_version: str | None = None) -> dict:
+    shards = [done[i] for i in sorted(done)]
+    reasons: dict[str, int] = {}
+    for entry in shards:
+        for reason, count in entry["reasons"].items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "identity": identity,
+        "code_version": code_version,
+        "complete": len(shards) == n_planned,
+        "n_shards_planned": n_planned,
+        "totals": {
+            "shards": len(shards),
+            "documents": sum(e["rows"] for e in shards),
+            "tokens": sum(e["tokens"] for e in shards),
+            "bytes": sum(e["bytes"] for e in shards),
+            "reasons": dict(sorted(reasons.items())),
+        },
+        "shards": shards,
+    }
+    write_json_atomic(Path(folder) / MANIFEST_NAME, manifest)
+    return manifest
