@@ -43,8 +43,8 @@ class TinyTeacherSpec:
     num_kv_heads: int = 2
     context: int = 512  # max_position_embeddings: long pages are scored in windows
     block: int = 256  # training sequence length
-    batch_size: int = 16
-    steps: int = 300
+    batch_size: int = 8
+    steps: int = 250
     learning_rate: float = 3e-3
     seed: int = 0
     max_train_docs: int | None = None

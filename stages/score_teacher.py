@@ -1,0 +1,116 @@
+"""Stage 1 entry point: ``python -m stages.score_teacher [hydra overrides]`` (``make score-teacher``).
+
+Reads as a list of steps: compose and check the config, build the embedded default if it is the
+one chosen, run the Ray job, print the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.utils import to_absolute_path
+from omegaconf import DictConfig
+
+from pipeline.corpus import CorpusConfig
+from pipeline.score_job import JobSummary, PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.scoring.base import ScorerConfig
+from pipeline.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
+from stages.common import ConfigError, plain, quiet_libraries, raise_if, typed
+
+log = logging.getLogger("score_teacher")
+
+
+def job_config(cfg: DictConfig) -> ScoreJobConfig:
+    """The typed job configuration; every problem in the config is reported at once."""
+    problems: list[str] = []
+    teacher = typed(TeacherConfig, plain(cfg, "teacher"), "teacher", problems,
+                    drop=("embedded", "backend", "dtype", "num_gpus", "num_cpus", "build"))
+    corpus = typed(CorpusConfig, plain(cfg, "data"), "data", problems, drop=("embedded", "build"))
+    scorer = typed(ScorerConfig, plain(cfg, "scorer"), "scorer", problems)
+    ray_cfg = typed(RayConfig, plain(cfg, "ray"), "ray", problems)
+    pool = typed(PoolConfig, plain(cfg, "pool"), "pool", problems)
+    if scorer and scorer.backend not in ("transformers", "vllm"):
+        problems.append(f"scorer.backend: {scorer.backend!r} is not one of transformers, vllm")
+    if corpus and corpus.source not in ("files", "hub"):
+        problems.append(f"data.source: {corpus.source!r} is not one of files, hub")
+    raise_if(problems)
+    if teacher.model and not teacher.model.startswith(("/", ".")) and Path(teacher.model).exists():
+        teacher = TeacherConfig(**{**teacher.__dict__, "model": to_absolute_path(teacher.model)})
+    corpus = CorpusConfig(**{**corpus.__dict__, "files": [to_absolute_path(f) for f in corpus.files]})
+    return ScoreJobConfig(
+        teacher=teacher, corpus=corpus, scorer=scorer, ray=ray_cfg, pool=pool,
+        output_dir=to_absolute_path(cfg.output_dir), overwrite=bool(cfg.overwrite),
+        limit_shards=cfg.limit_shards, compression=cfg.compression, progress=bool(cfg.progress),
+    )
+
+
+def build_embedded(cfg: DictConfig) -> None:
+    """Build (or find cached) the sample corpus and tiny teacher when the config uses them."""
+    from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
+    from pipeline.embedded.tiny_teacher import TinyTeacherSpec
+
+    artifacts = to_absolute_path(cfg.artifacts_dir)
+    if cfg.data.get("embedded"):
+        b = cfg.data.build
+        ensure_sample_corpus(artifacts, n_docs=b.n_docs, seed=b.seed, n_files=b.n_files)
+    if cfg.teacher.get("embedded"):
+        b = cfg.teacher.build
+        spec = TinyTeacherSpec(vocab_size=b.vocab_size, steps=b.steps, seed=b.seed)
+        log.info("building the tiny teacher (first run only; cached under %s)", artifacts)
+        built = ensure_tiny_teacher(artifacts, corpus_docs=b.corpus_docs, seed=b.seed, spec=spec)
+        if Path(built).resolve() != Path(to_absolute_path(cfg.teacher.model)).resolve():
+            raise ConfigError(f"teacher.model {cfg.teacher.model} is not where the tiny teacher is built ({built})")
+
+
+def print_summary(s: JobSummary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="score-teacher", show_header=False, title_justify="left")
+    status = "complete" if s.complete else f"partial: {s.shards_complete}/{s.shards_planned} shards"
+    rows = [
+        ("dataset", f"{s.output_dir} ({status})"),
+        ("shards", f"{s.shards_scored} scored now, {s.shards_done_before} already done, {s.shards_planned} planned"),
+        ("documents", f"{s.documents:,} stored ({s.documents_this_run:,} this run)"),
+        ("teacher tokens", f"{s.tokens:,} ({s.tokens_this_run:,} this run)"),
+        ("throughput", f"{s.tokens_per_s:,.0f} tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
+    ]
+    for title, group in (("skipped", SKIP_REASONS), ("zero tokens", ZERO_TOKEN_REASONS)):
+        counts = {k: v for k, v in s.reasons.items() if k in group}
+        rows.append((f"{title} (by reason)", ", ".join(f"{k}: {v}" for k, v in counts.items()) or "none"))
+    notes = {k: v for k, v in s.reasons.items() if k not in SKIP_REASONS + ZERO_TOKEN_REASONS}
+    if notes:
+        rows.append(("scored, noted", ", ".join(f"{k}: {v}" for k, v in notes.items())))
+    for k, v in rows:
+        table.add_row(k, v)
+    console = Console()
+    console.print(table)
+    console.print("Look at it with Polars (per-document token count and mean teacher loss):")
+    glob = str(Path(s.output_dir) / "shard-*.parquet")
+    one_liner = (
+        "python -c \"import polars as pl; print(pl.scan_parquet('" + glob + "')"
+        ".select('doc_id', pl.col('token_ids').list.len().alias('tokens'), "
+        "pl.col('losses').list.eval(pl.element().fill_nan(None)).list.mean().alias('mean_loss'))"
+        ".sort('mean_loss').collect())\""
+    )
+    console.print(one_liner, markup=False, highlight=False, soft_wrap=True)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="score_teacher")
+def main(cfg: DictConfig) -> None:
+    quiet_libraries()
+    job = job_config(cfg)
+    build_embedded(cfg)
+    summary = run_score_job(job)
+    print_summary(summary)
+    (Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir) / "summary.json").write_text(
+        json.dumps({**summary.__dict__, "tokens_per_s": summary.tokens_per_s}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny real models and corpora built in seconds, real tokenizers, one local Ray."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_TOKENIZERS = REPO.parent / "shared" / "tokenizers"
+
+
+@pytest.fixture(scope="session")
+def shared_tokenizers() -> Path:
+    if not SHARED_TOKENIZERS.is_dir():
+        pytest.skip(f"real tokenizer vocabularies not found at {SHARED_TOKENIZERS}")
+    return SHARED_TOKENIZERS
+
+
+@pytest.fixture(scope="session")
+def micro_corpus(tmp_path_factory) -> list[Path]:
+    """A 160-document sample corpus in OpenWebMath's schema (two Parquet files)."""
+    from pipeline.embedded.sample_corpus import build_sample_corpus
+
+    return build_sample_corpus(tmp_path_factory.mktemp("corpus"), n_docs=160, n_files=2, seed=1)
+
+
+@pytest.fixture(scope="session")
+def micro_teacher(tmp_path_factory, micro_corpus) -> Path:
+    """A tiny Qwen2 teacher (context 64, so real documents are scored in many windows)."""
+    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.tiny_teacher import TinyTeacherSpec, build_tiny_teacher
+
+    spec = TinyTeacherSpec(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                           num_kv_heads=1, context=64, block=32, batch_size=8, steps=30, learning_rate=5e-3)
+    return build_tiny_teacher(clean_texts(micro_corpus), tmp_path_factory.mktemp("teacher") / "micro", spec)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray cluster for the whole session (dashboard off); jobs reuse it."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

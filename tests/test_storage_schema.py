@@ -1,0 +1,89 @@
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.shards import documents_table, write_shard
+from pipeline.teacher import ScoredDocument, ShardResult
+from storage_schemas import (
+    ROW_SCHEMA,
+    SCHEMA_VERSION,
+    ContractError,
+    check_rows,
+    file_sha256,
+    read_manifest,
+    read_shard_metadata,
+)
+
+
+def _doc(doc_id, text, spans, losses):
+    ids = np.arange(len(spans), dtype=np.int32)
+    starts = np.array([s for s, _ in spans], dtype=np.int32)
+    ends = np.array([e for _, e in spans], dtype=np.int32)
+    return ScoredDocument(doc_id, text, ids, starts, ends, np.array(losses, dtype=np.float32))
+
+
+def test_shard_round_trip_keeps_schema_metadata_and_values(tmp_path):
+    docs = [_doc("a:0", "ab cd", [(0, 2), (2, 5)], [np.nan, 1.5]), _doc("a:1", "", [], [])]
+    result = ShardResult(documents=docs, reasons={"empty_text": 1})
+    entry = write_shard(tmp_path, 3, result, {"teacher": {"name": "t"}}, {"file": "x.parquet", "start": 0, "stop": 2}, "0.1")
+    path = tmp_path / "shard-000003.parquet"
+    assert entry["file"] == path.name and entry["rows"] == 2 and entry["tokens"] == 2
+    assert entry["sha256"] == file_sha256(path)
+    assert json.loads((tmp_path / "shard-000003.done.json").read_text()) == entry
+    meta = read_shard_metadata(path)
+    assert meta["vocagno.schema_version"] == SCHEMA_VERSION
+    assert meta["vocagno.identity"] == {"teacher": {"name": "t"}}
+    assert meta["vocagno.shard"]["index"] == 3
+    table = pq.read_table(path)
+    assert table.schema.remove_metadata().equals(ROW_SCHEMA)
+    losses = table.column("losses").to_pylist()
+    assert np.isnan(losses[0][0]) and losses[0][1] == 1.5 and losses[1] == []
+    assert check_rows(table, "x") == []
+    assert not list(tmp_path.glob(".*tmp*")), "no temporary file may remain"
+
+
+def test_check_rows_reports_each_broken_invariant():
+    bad = documents_table([
+        _doc("d:0", "abc", [(0, 2), (1, 4)], [1.0, 2.0]),  # span past the text
+        _doc("d:1", "abc", [(2, 3), (0, 1)], [1.0, 2.0]),  # starts decrease
+        _doc("d:2", "abc", [(0, 1)], [float("inf")]),  # infinite loss
+    ])
+    problems = check_rows(bad, "f.parquet")
+    assert len(problems) == 3
+    assert "d:0" in problems[0] and "outside text" in problems[0]
+    assert "d:1" in problems[1] and "decrease" in problems[1]
+    assert "d:2" in problems[2] and "infinite" in problems[2]
+
+
+def test_unequal_list_lengths_are_reported():
+    table = pa.table({
+        "doc_id": ["d"], "text": ["ab"], "token_ids": [[1, 2]], "starts": [[0, 1]], "ends": [[1]], "losses": [[0.5, 0.5]],
+    })
+    assert "list lengths differ" in check_rows(table, "f")[0]
+
+
+def test_shard_metadata_missing_or_from_another_version_is_refused(tmp_path):
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(documents_table([]), plain)
+    with pytest.raises(ContractError, match="missing shard metadata"):
+        read_shard_metadata(plain)
+    other = tmp_path / "other.parquet"
+    meta = {k: json.dumps(v) for k, v in {"vocagno.schema_version": 99, "vocagno.identity": {}, "vocagno.shard": {},
+                                          "vocagno.code_version": "x"}.items()}
+    pq.write_table(documents_table([]).replace_schema_metadata(meta), other)
+    with pytest.raises(ContractError, match="schema version 99"):
+        read_shard_metadata(other)
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not parquet at all")
+    with pytest.raises(ContractError, match="garbage.parquet"):
+        read_shard_metadata(garbage)
+
+
+def test_manifest_paths_cannot_leave_the_dataset_folder(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"schema_version": SCHEMA_VERSION, "shards": [{"file": "../../etc/passwd"}]}))
+    with pytest.raises(ContractError, match="not a shard file name"):
+        read_manifest(tmp_path)
