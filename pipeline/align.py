@@ -1,0 +1,328 @@
+"""Token-level lexical alignment between a student and a teacher tokenization (METHOD 2.1).
+
+Both tokenizations describe the same text by character spans ``[start, end)`` (Python string
+offsets, see :mod:`pipeline.tokenization`). Student token ``i`` has span ``[c_i, d_i)``, teacher
+token ``j`` has span ``[a_j, b_j)``. The mapping is
+
+    A(i) = { j : a_j < d_i  and  b_j > c_i }        (the spans overlap)
+
+with two exceptions: a student token with an empty span (special tokens, offset ``(0, 0)``) maps to
+nothing, and a teacher token with an empty span never matches.
+
+Everything here is pure numpy, vectorised over all tokens of a document, O(N log M) for the
+searches plus O(N + M) for the aggregation. Nothing reads files.
+
+How the range search works (:func:`align_spans`)
+-----------------------------------------------
+Teacher starts are non-decreasing, so ``{j : a_j < d_i}`` is a prefix ``[0, P_i)`` found with one
+``searchsorted``. ``{j : b_j > c_i}`` is a suffix only when the ends are non-decreasing too. All
+four tokenizers of the project guarantee that (tested in ``tests/test_align_real_tokenizers.py``):
+byte-fallback pieces repeat the span of their character (``(12,13)`` four times) and a character
+split across byte-level tokens gives spans such as ``(3,5), (4,5)``, whose *starts* go back
+relative to the previous end but whose *ends* never decrease. For arbitrary span sets the search
+runs on the running maximum of the ends (``np.maximum.accumulate``): the first index where the
+running maximum exceeds ``c_i`` is exactly the first teacher token with ``b_j > c_i``. So ``lo_i``
+is always the first overlapping teacher token and ``A(i)`` is always inside ``[lo_i, hi_i)``; the
+range is exactly ``A(i)`` (up to empty teacher spans, which never match) whenever the non-empty
+teacher ends are non-decreasing. When they are not, the range is a hull that can contain teacher
+tokens ending at or before ``c_i``; :func:`overlap_pairs` removes them, and :func:`align_document`
+always goes through it, so its result is exact for any span set. (Its cost is the total range
+length, O(N + M) for real tokenizers; a pathological teacher token spanning the whole text would
+make every later range reach back to it.)
+
+Same vocabulary: byte-fallback pieces of one character share a span, so span overlap maps each of
+them to all pieces of that character; ``align_document(..., one_to_one=True)`` gives Rho-1's
+one-to-one mapping when teacher and student share the tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+AGGREGATIONS = ("max", "mean", "min")
+
+
+# --------------------------------------------------------------------------------------------
+# Span search
+# --------------------------------------------------------------------------------------------
+
+
+def _as_int(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.int64).reshape(-1)
+
+
+def align_spans(s_starts, s_ends, t_starts, t_ends) -> tuple[np.ndarray, np.ndarray]:
+    """For every student token the teacher range ``[lo_i, hi_i)`` around ``A(i)``.
+
+    Returns two int64 arrays of shape (N,). ``lo_i == hi_i`` when the student span is empty or no
+    non-empty teacher span overlaps it. ``lo_i`` is the first overlapping teacher token and
+    ``hi_i - 1`` the last non-empty teacher token starting before ``d_i``; see the module docstring
+    for when the range equals ``A(i)`` exactly. Teacher tokens with empty spans are ignored
+    wherever they occur (they may even break the order of starts); non-empty teacher spans must
+    have non-decreasing starts (``ValueError`` otherwise).
+    """
+    c, d = _as_int(s_starts), _as_int(s_ends)  # (N,)
+    a, b = _as_int(t_starts), _as_int(t_ends)  # (M,)
+    if c.shape != d.shape or a.shape != b.shape:
+        raise ValueError("starts and ends must have the same length")
+
+    keep = np.flatnonzero(b > a)  # (K,) teacher tokens that can match, original indices
+    a_k, b_k = a[keep], b[keep]
+    if np.any(np.diff(a_k) < 0):
+        raise ValueError("teacher spans must be sorted by start")
+    run_max_end = np.maximum.accumulate(b_k) if keep.size else b_k  # (K,)
+
+    lo_k = np.searchsorted(run_max_end, c, side="right")  # first k with b_k > c_i
+    hi_k = np.searchsorted(a_k, d, side="left")  # number of k with a_k < d_i
+    empty = (d <= c) | (hi_k <= lo_k)  # (N,)
+
+    # Back to original teacher indices; empty ranges sit at the insertion point.
+    keep_ext = np.append(keep, a.size)  # (K+1,) so that index K maps to M
+    lo = keep_ext[lo_k]
+    hi = np.where(empty, lo, keep_ext[np.maximum(hi_k - 1, 0)] + 1)
+    return lo, hi
+
+
+def _expand_ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """All pairs ``(i, j)`` with ``lo_i <= j < hi_i``, grouped by ``i`` in increasing order."""
+    lengths = np.maximum(hi - lo, 0)  # (N,)
+    owner = np.repeat(np.arange(lo.size), lengths)  # (P,)
+    first_of_owner = np.cumsum(lengths) - lengths  # (N,) offset of each group in the pair list
+    j = lo[owner] + (np.arange(owner.size) - first_of_owner[owner])  # (P,)
+    return owner, j
+
+
+def overlap_pairs(s_starts, s_ends, t_starts, t_ends, lo=None, hi=None):
+    """The exact mapping as pairs: ``(owner, j)`` int64 arrays, one entry per ``j in A(owner)``.
+
+    Pairs are grouped by student token in increasing order. ``lo``/``hi`` from :func:`align_spans`
+    may be passed to avoid a second search. Exact for any span set, including non-monotonic ends.
+    """
+    c, d = _as_int(s_starts), _as_int(s_ends)
+    a, b = _as_int(t_starts), _as_int(t_ends)
+    if lo is None or hi is None:
+        lo, hi = align_spans(c, d, a, b)
+    owner, j = _expand_ranges(_as_int(lo), _as_int(hi))
+    overlaps = (a[j] < d[owner]) & (b[j] > c[owner]) & (b[j] > a[j])  # (P,)
+    return owner[overlaps], j[overlaps]
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregation of teacher losses
+# --------------------------------------------------------------------------------------------
+
+
+def _grouped_reduce(owner: np.ndarray, values: np.ndarray, n: int, how: str) -> np.ndarray:
+    """Reduce ``values`` per group ``owner`` (sorted), ignoring NaN; NaN for empty/all-NaN groups."""
+    if how not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {how!r}")
+    out = np.full(n, np.nan, dtype=np.float64)  # (N,)
+    if owner.size == 0:
+        return out.astype(np.float32)
+    values = values.astype(np.float64)  # (P,)
+    if how == "mean":
+        finite_count = np.bincount(owner, weights=~np.isnan(values), minlength=n)
+        total = np.bincount(owner, weights=np.where(np.isnan(values), 0.0, values), minlength=n)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = np.where(finite_count > 0, total / np.maximum(finite_count, 1), np.nan)
+    else:
+        group_starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])  # (G,)
+        # fmax/fmin ignore NaN unless every value of the group is NaN.
+        reducer = np.fmax if how == "max" else np.fmin
+        out[owner[group_starts]] = reducer.reduceat(values, group_starts)
+    return out.astype(np.float32)
+
+
+def aggregate_teacher_losses(lo, hi, t_losses, how: str = "max") -> np.ndarray:
+    """``agg{ t_losses[j] : lo_i <= j < hi_i }`` per student token, float32 of shape (N,).
+
+    NaN losses are ignored; the result is NaN where the range is empty or all its losses are NaN.
+    ``how`` is one of ``"max"`` (default), ``"mean"``, ``"min"``.
+    """
+    lo, hi = _as_int(lo), _as_int(hi)
+    owner, j = _expand_ranges(lo, hi)
+    losses = np.asarray(t_losses, dtype=np.float64).reshape(-1)
+    return _grouped_reduce(owner, losses[j], lo.size, how)
+
+
+# --------------------------------------------------------------------------------------------
+# Chunk-level alignment (ablation)
+# --------------------------------------------------------------------------------------------
+
+
+def chunk_ids(starts, n_chunks: int, text_len: int) -> np.ndarray:
+    """Chunk index of each position: ``floor(start * C / L)``, clipped to ``[0, C-1]``.
+
+    Chunk ``k`` is the character range ``[ceil(k L / C), ceil((k+1) L / C))`` of the text
+    ``[0, L)``: C ranges of (nearly) equal length, the same for both tokenizations.
+    """
+    starts = _as_int(starts)
+    if text_len <= 0:
+        return np.zeros(starts.shape, dtype=np.int64)
+    return np.clip(starts * n_chunks // text_len, 0, n_chunks - 1)
+
+
+def chunk_align(
+    s_starts, s_ends, t_starts, t_ends, t_losses, n_chunks: int, text_len: int | None = None
+) -> np.ndarray:
+    """Chunk-level alignment from the METHOD 2.2 ablation, float32 of shape (N,).
+
+    The text ``[0, L)`` is cut into ``n_chunks`` equal character ranges (:func:`chunk_ids`); each
+    token belongs to the chunk containing its start. Every student token gets the NaN-ignoring
+    mean of the teacher losses of its chunk; NaN for empty student spans and for chunks with no
+    finite teacher loss. Teacher tokens with empty spans are left out. ``L`` defaults to the
+    largest end of either tokenization.
+    """
+    if n_chunks < 1:
+        raise ValueError(f"n_chunks must be >= 1, got {n_chunks}")
+    c, d = _as_int(s_starts), _as_int(s_ends)
+    a, b = _as_int(t_starts), _as_int(t_ends)
+    losses = np.asarray(t_losses, dtype=np.float64).reshape(-1)
+    if text_len is None:
+        text_len = int(max(d.max(initial=0), b.max(initial=0)))
+
+    t_valid = (b > a) & ~np.isnan(losses)  # (M,)
+    t_chunk = chunk_ids(a[t_valid], n_chunks, text_len)
+    count = np.bincount(t_chunk, minlength=n_chunks)  # (C,)
+    total = np.bincount(t_chunk, weights=losses[t_valid], minlength=n_chunks)  # (C,)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        chunk_mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)  # (C,)
+
+    out = chunk_mean[chunk_ids(c, n_chunks, text_len)]  # (N,)
+    return np.where(d > c, out, np.nan).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Alignment quality
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AlignmentQuality:
+    """IoS and IoU of an alignment (METHOD 2.1).
+
+    ``ios``: (N,) float64, per student token the share of its characters covered by its mapped
+    teacher tokens; NaN for tokens not counted as mapped. ``ios_mean``: mean over mapped tokens.
+    ``iou``: |S ∩ T| / |S ∪ T| of the characters covered by mapped student tokens (S) and by the
+    teacher tokens they map to (T). NaN when nothing is mapped.
+    """
+
+    ios: np.ndarray
+    ios_mean: float
+    iou: float
+    n_mapped: int
+
+
+def _coverage(starts: np.ndarray, ends: np.ndarray, length: int) -> np.ndarray:
+    """Boolean (length,) mask of the characters covered by at least one span."""
+    delta = np.zeros(length + 1, dtype=np.int64)
+    np.add.at(delta, starts, 1)
+    np.add.at(delta, ends, -1)
+    return np.cumsum(delta[:-1]) > 0
+
+
+def alignment_quality(s_starts, s_ends, t_starts, t_ends, mapped=None) -> AlignmentQuality:
+    """IoS per token and IoU of the character sets for the span alignment.
+
+    A student token counts as mapped when ``A(i)`` is non-empty, and additionally ``mapped[i]``
+    when a mask (e.g. from :func:`align_document`, which also needs a finite loss) is given. Any
+    teacher token covering a character of student token ``i`` overlaps it, so the characters of
+    ``i`` covered by ``A(i)`` are those covered by any teacher token: IoS comes from one prefix sum.
+    """
+    c, d = _as_int(s_starts), _as_int(s_ends)
+    a, b = _as_int(t_starts), _as_int(t_ends)
+    owner, j = overlap_pairs(c, d, a, b)
+    is_mapped = np.zeros(c.size, dtype=bool)
+    is_mapped[owner] = True
+    if mapped is not None:
+        is_mapped &= np.asarray(mapped, dtype=bool).reshape(-1)
+
+    length = int(max(d.max(initial=0), b.max(initial=0)))
+    t_cover = _coverage(a[b > a], b[b > a], length)  # (L,)
+    covered_before = np.r_[0, np.cumsum(t_cover)]  # (L+1,)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ios_all = (covered_before[d] - covered_before[c]) / (d - c)
+    ios = np.where(is_mapped, ios_all, np.nan)  # (N,)
+
+    t_used = np.unique(j[is_mapped[owner]])  # teacher tokens mapped to by a counted student token
+    s_set = _coverage(c[is_mapped], d[is_mapped], length)
+    t_set = _coverage(a[t_used], b[t_used], length)
+    union = int(np.count_nonzero(s_set | t_set))
+    iou = np.count_nonzero(s_set & t_set) / union if union else float("nan")
+    n_mapped = int(is_mapped.sum())
+    ios_mean = float(np.mean(ios[is_mapped])) if n_mapped else float("nan")
+    return AlignmentQuality(ios=ios, ios_mean=ios_mean, iou=float(iou), n_mapped=n_mapped)
+
+
+# --------------------------------------------------------------------------------------------
+# One document
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DocumentAlignment:
+    """Per student token: the aggregated teacher loss ``L_t`` (float32, NaN if unmapped) and the
+    mapped flag (non-empty span and at least one non-NaN teacher loss in ``A(i)``)."""
+
+    teacher_loss: np.ndarray  # (N,) float32
+    mapped: np.ndarray  # (N,) bool
+
+    def __len__(self) -> int:
+        return int(self.teacher_loss.shape[0])
+
+
+def identical_spans(s_starts, s_ends, t_starts, t_ends) -> bool:
+    """True when both tokenizations cut the text into exactly the same spans, token by token."""
+    return (
+        np.array_equal(_as_int(s_starts), _as_int(t_starts))
+        and np.array_equal(_as_int(s_ends), _as_int(t_ends))
+    )
+
+
+def align_document(
+    student_encoding,
+    teacher_starts,
+    teacher_ends,
+    teacher_losses,
+    how: str = "max",
+    *,
+    one_to_one: bool = False,
+    n_chunks: int | None = None,
+    text_len: int | None = None,
+) -> DocumentAlignment:
+    """Teacher loss per student token for one document.
+
+    ``student_encoding`` is anything with ``starts`` and ``ends`` arrays (an
+    :class:`pipeline.tokenization.Encoding`). Token-level alignment (default) aggregates the losses
+    of ``A(i)`` with ``how`` (exact for any span set, via :func:`overlap_pairs`).
+
+    ``one_to_one=True`` is same-vocabulary Rho-1: teacher and student share the tokenizer, so
+    student token ``i`` gets teacher token ``i``'s loss (``ValueError`` if the spans are not
+    identical token by token). Span overlap alone is one-to-one only where spans are not shared:
+    byte-fallback pieces of one character share its span (``<0xF0><0x9F><0x99><0x82>`` all
+    ``(12, 13)``), and so do Llama's virtual ``▁`` and a following CJK character (``(0, 1)``
+    twice), so each such piece would overlap all of them. The flag is explicit rather than
+    detected per document so that the same token never switches between the two rules.
+
+    ``n_chunks`` selects the chunk-level ablation (:func:`chunk_align`, always a mean) instead;
+    ``how`` is then ignored.
+    """
+    s_starts, s_ends = student_encoding.starts, student_encoding.ends
+    losses = np.asarray(teacher_losses, dtype=np.float64).reshape(-1)
+    if losses.size != np.asarray(teacher_starts).size:
+        raise ValueError(
+            f"{losses.size} teacher losses for {np.asarray(teacher_starts).size} teacher tokens"
+        )
+    if one_to_one:
+        if not identical_spans(s_starts, s_ends, teacher_starts, teacher_ends):
+            raise ValueError("one_to_one alignment needs identical student and teacher spans")
+        non_empty = np.asarray(s_ends) > np.asarray(s_starts)
+        l_t = np.where(non_empty, losses, np.nan).astype(np.float32)
+    elif n_chunks is not None:
+        l_t = chunk_align(s_starts, s_ends, teacher_starts, teacher_ends, losses, n_chunks, text_len)
+    else:
+        owner, j = overlap_pairs(s_starts, s_ends, teacher_starts, teacher_ends)
+        l_t = _grouped_reduce(owner, losses[j], len(s_starts), how)
+    return DocumentAlignment(teacher_loss=l_t, mapped=~np.isnan(l_t))

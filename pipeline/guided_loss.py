@@ -1,0 +1,243 @@
+"""Teacher-guided token selection and loss for one (micro-)batch (METHOD 2.2).
+
+Per position of the batch the inputs are the student's logits (or its per-token cross-entropy
+``l_s``), the target label (``-100`` = ignored), the aggregated teacher loss ``L_t`` (NaN where
+unmapped) and the mapped flag, all aligned: position ``t`` carries the target predicted from the
+logits at ``t`` (no shift happens here).
+
+Modes:
+
+* ``guided``: rank the mapped valid tokens by the excess loss ``D = l_s - L_t`` (no gradient) and
+  keep the top ``k = ceil(ratio * n_mapped)`` of them (at least one when any token is mapped; the
+  ceiling is taken with a 1e-6 tolerance so that ``0.7 * 10`` gives 7, not 8). Ranking is over the
+  whole micro-batch (``rank_over="batch"``, as Rho-1) or within each sequence
+  (``rank_over="sequence"``, ``k`` then per sequence). Unmapped valid tokens are always trained
+  (``unmapped="include"``, default) or never (``"exclude"``).
+* ``random``: the same ``k`` mapped tokens drawn uniformly at random (``generator`` makes it
+  reproducible); unmapped tokens are handled as in ``guided``.
+* ``cpt``: every valid token, i.e. the usual mean cross-entropy; no teacher inputs needed.
+
+The loss is the mean of ``l_s`` over the trained tokens; the gradient flows only through ``l_s``
+of those tokens (rows of dropped tokens get an exactly zero gradient). Selection and the mean are
+per call: with gradient accumulation every micro-batch selects its own top-k and is normalised by
+its own kept count, exactly as Rho-1 does per micro-batch; a global top-k over the accumulated
+batch is not computed.
+
+The selection needs no host synchronisation (ranks come from a sort, ``k`` stays a tensor), so
+it can run every step on an accelerator; :class:`SelectionStats` holds 0-dim tensors that the
+trainer converts when it logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+MODES = ("guided", "cpt", "random")
+RANK_OVER = ("batch", "sequence")
+UNMAPPED = ("include", "exclude")
+_CEIL_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """How tokens are selected; the defaults are the paper's best setting."""
+
+    mode: str = "guided"
+    ratio: float = 0.4
+    rank_over: str = "batch"
+    unmapped: str = "include"
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("rank_over", self.rank_over, RANK_OVER)
+        _check_choice("unmapped", self.unmapped, UNMAPPED)
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in (0, 1], got {self.ratio}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SelectionStats:
+    """Detached 0-dim tensors describing one call; NaN where a mean has no tokens.
+
+    ``n_kept`` counts every trained token (selected mapped plus included unmapped),
+    ``n_selected`` only the selected mapped ones. ``teacher_loss_kept``/``teacher_loss_dropped``
+    average ``L_t`` over selected / not selected mapped tokens, ``excess_loss`` averages
+    ``D = l_s - L_t`` over mapped tokens, ``loss_all`` is the cross-entropy over all valid tokens.
+    """
+
+    n_valid: torch.Tensor
+    n_mapped: torch.Tensor
+    n_selected: torch.Tensor
+    n_kept: torch.Tensor
+    kept_fraction: torch.Tensor
+    teacher_loss_kept: torch.Tensor
+    teacher_loss_dropped: torch.Tensor
+    excess_loss: torch.Tensor
+    loss_all: torch.Tensor
+
+    def to_dict(self) -> dict[str, float]:
+        """Python floats for logging (synchronises with the device once per field)."""
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy in float32, (B, T, V) logits and (B, T) labels -> (B, T).
+
+    Ignored positions (``-100``) get 0. The only extra copy is one float32 view of the logits
+    when they are in a lower precision (none when they already are float32).
+    """
+    batch, length, vocab = logits.shape
+    flat = logits.reshape(batch * length, vocab).float()  # (B*T, V)
+    ce = F.cross_entropy(flat, labels.reshape(-1), reduction="none", ignore_index=IGNORE_INDEX)
+    return ce.view(batch, length)  # (B, T)
+
+
+def k_for(n: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``ceil(ratio * n)`` (with a small tolerance for float error), at least 1 when ``n >= 1``."""
+    k = torch.ceil(n.double() * ratio - _CEIL_TOLERANCE).long()
+    return torch.where(n > 0, k.clamp(min=1), torch.zeros_like(k))
+
+
+def top_k_mask(scores: torch.Tensor, candidates: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Per row of (R, L) ``scores``, the top ``k_for(#candidates in the row)`` candidates.
+
+    Non-finite scores are clamped so that every candidate outranks every non-candidate; ties go
+    to the earlier position (stable sort). Returns a (R, L) bool mask.
+    """
+    finfo = torch.finfo(scores.dtype)
+    ranked = torch.nan_to_num(scores, nan=finfo.max, posinf=finfo.max, neginf=finfo.min)
+    ranked = torch.where(candidates, ranked, torch.full_like(ranked, float("-inf")))  # (R, L)
+    order = torch.argsort(ranked, dim=1, descending=True, stable=True)  # (R, L)
+    positions = torch.arange(scores.shape[1], device=scores.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(1, order, positions)  # (R, L) rank of each position
+    k = k_for(candidates.sum(dim=1), ratio)  # (R,)
+    return candidates & (rank < k.unsqueeze(1))
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``mask``; NaN (0/0) when the mask is empty. For statistics."""
+    total = torch.where(mask, values, torch.zeros_like(values)).sum()
+    return total / mask.sum()
+
+
+def _mean_with_grad(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over ``mask`` with gradient only into the masked entries.
+
+    With an empty mask this is a zero that is still connected to ``values`` (zero gradient), so
+    that DDP and gradient accumulation see the same graph on every rank and step.
+    """
+    total = torch.where(mask, values, torch.zeros_like(values)).sum()
+    return total / mask.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------------------------
+# The loss
+# --------------------------------------------------------------------------------------------
+
+
+def select_tokens(
+    token_loss: torch.Tensor,
+    valid: torch.Tensor,
+    teacher_loss: torch.Tensor | None,
+    mapped: torch.Tensor | None,
+    config: SelectionConfig,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) bool masks ``(trained, selected)``: every token the loss averages over, and the
+    mapped tokens chosen by the excess loss (guided) or at random (random)."""
+    if config.mode == "cpt":
+        return valid, torch.zeros_like(valid)
+    if teacher_loss is None or mapped is None:
+        raise ValueError(f"mode {config.mode!r} needs teacher_loss and mapped")
+    candidates = mapped & valid & ~torch.isnan(teacher_loss)  # (B, T)
+    if config.mode == "guided":
+        scores = token_loss.detach().float() - teacher_loss.float()  # (B, T) excess loss D
+    else:
+        scores = torch.rand(
+            token_loss.shape, generator=generator, device=_generator_device(generator, token_loss)
+        ).to(token_loss.device)
+    if config.rank_over == "batch":
+        selected = top_k_mask(scores.reshape(1, -1), candidates.reshape(1, -1), config.ratio)
+        selected = selected.view_as(candidates)
+    else:
+        selected = top_k_mask(scores, candidates, config.ratio)
+    trained = selected | (valid & ~candidates) if config.unmapped == "include" else selected
+    return trained, selected
+
+
+def _generator_device(generator: torch.Generator | None, like: torch.Tensor) -> torch.device:
+    return generator.device if generator is not None else like.device
+
+
+def guided_loss(
+    logits_or_token_loss: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_loss: torch.Tensor | None = None,
+    mapped: torch.Tensor | None = None,
+    config: SelectionConfig = SelectionConfig(),
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, SelectionStats]:
+    """Selected-token loss of a micro-batch and its statistics.
+
+    Args:
+        logits_or_token_loss: student logits (B, T, V) or per-token cross-entropy (B, T).
+        labels: (B, T) target ids aligned with the logits, ``-100`` where ignored.
+        teacher_loss: (B, T) float ``L_t``, NaN where unmapped (unused for ``cpt``).
+        mapped: (B, T) bool; a mapped position whose ``L_t`` is NaN is treated as unmapped.
+        config: :class:`SelectionConfig`.
+        generator: torch.Generator for ``random`` mode (on the device the noise is drawn on).
+
+    Returns:
+        ``(loss, stats)``: ``loss`` is the mean of ``l_s`` over the trained tokens. When no token
+        is trained (no valid token, or ``exclude`` with nothing mapped) it is a zero that still has
+        a ``grad_fn`` connected to the logits, so ``backward()`` works and gives zero gradients.
+    """
+    if logits_or_token_loss.dim() == 3:
+        token_loss = token_cross_entropy(logits_or_token_loss, labels)  # (B, T)
+    elif logits_or_token_loss.dim() == 2:
+        token_loss = logits_or_token_loss.float()  # (B, T)
+    else:
+        raise ValueError("expected logits (B, T, V) or per-token losses (B, T)")
+    if labels.shape != token_loss.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} do not match {tuple(token_loss.shape)}")
+
+    valid = labels != IGNORE_INDEX  # (B, T)
+    trained, selected = select_tokens(token_loss, valid, teacher_loss, mapped, config, generator)
+    loss = _mean_with_grad(token_loss, trained)
+    stats = _stats(token_loss.detach(), valid, trained, selected, teacher_loss, mapped)
+    return loss, stats
+
+
+def _stats(token_loss, valid, trained, selected, teacher_loss, mapped) -> SelectionStats:
+    if teacher_loss is None or mapped is None:
+        teacher_loss = torch.full_like(token_loss, float("nan"))
+        mapped = torch.zeros_like(valid)
+    teacher_loss = teacher_loss.float()
+    candidates = mapped & valid & ~torch.isnan(teacher_loss)  # (B, T)
+    n_valid = valid.sum()
+    n_kept = trained.sum()
+    return SelectionStats(
+        n_valid=n_valid,
+        n_mapped=candidates.sum(),
+        n_selected=selected.sum(),
+        n_kept=n_kept,
+        kept_fraction=n_kept / n_valid.clamp(min=1),
+        teacher_loss_kept=_masked_mean(teacher_loss, selected),
+        teacher_loss_dropped=_masked_mean(teacher_loss, candidates & ~selected),
+        excess_loss=_masked_mean(token_loss - teacher_loss, candidates),
+        loss_all=_masked_mean(token_loss, valid),
+    )
