@@ -50,3 +50,22 @@ def ray_local():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def micro_scored(tmp_path_factory, micro_corpus, micro_teacher, ray_local) -> Path:
+    """A complete scored dataset (stage-1 output) of the micro corpus by the micro teacher."""
+    from pipeline.corpus import CorpusConfig
+    from pipeline.score_job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+    from pipeline.scoring.base import ScorerConfig
+
+    out = tmp_path_factory.mktemp("micro-scored") / "owm-micro" / "micro" / "v1"
+    run_score_job(ScoreJobConfig(
+        teacher=TeacherConfig(name="micro", model=str(micro_teacher)),
+        corpus=CorpusConfig(name="owm-micro", files=[str(f) for f in micro_corpus], rows_per_shard=40),
+        scorer=ScorerConfig(max_batch_tokens=2048),
+        output_dir=str(out),
+        pool=PoolConfig(num_actors=1, num_cpus=1),
+        progress=False,
+    ))
+    return out

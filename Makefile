@@ -1,0 +1,45 @@
+# Quick start:  make score-teacher   (creates .venv, builds the embedded default, scores it)
+#               make test
+# Full scale:   make score-teacher ARGS="teacher=qwen2.5-math-7b-instruct data=open-web-math ray=cluster"
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+# CPU build of torch; on a GPU machine install your CUDA build first and set TORCH_SPEC= (empty).
+TORCH_SPEC ?= torch==2.13.0
+export RAY_USAGE_STATS_ENABLED ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_DISABLE_TELEMETRY ?= 1
+
+.PHONY: setup score-teacher train-student inspect validate vocab-overlap align-report test test-slow bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install --quiet "$(TORCH_SPEC)")
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+score-teacher: setup
+	$(PY) -m stages.score_teacher $(ARGS)
+
+train-student: setup
+	$(PY) -m stages.train_student $(ARGS)
+
+inspect: setup
+	$(PY) -m stages.inspect $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+bench: setup
+	$(PY) -m stages.bench $(ARGS)
+
+clean:
+	rm -rf outputs .pytest_cache
