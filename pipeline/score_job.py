@@ -253,7 +253,6 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
         )
         actors = [actor_cls.remote(prepared, cfg.teacher, cfg, version) for _ in range(n_actors)]
         pool = ActorPool(actors)
-        by_index = {s.index: s for s in pending}
         scored: list[dict] = []
         last_manifest = time.monotonic()
         bar = tqdm(total=len(pending), unit="shard", desc=f"scoring ({n_actors} actor{'s' * (n_actors > 1)})",
@@ -272,8 +271,7 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
             tokens = sum(e["tokens"] for e in scored)
             bar.update(1)
             bar.set_postfix(docs=sum(e["rows"] for e in scored), tokens=tokens,
-                            tok_s=f"{tokens / max(time.perf_counter() - t_start, 1e-9):.0f}",
-                            last=by_index[entry["index"]].index)
+                            tok_s=f"{tokens / max(time.perf_counter() - t_start, 1e-9):.0f}")
             if time.monotonic() - last_manifest > cfg.manifest_every_s:
                 write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version)
                 last_manifest = time.monotonic()

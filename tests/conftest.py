@@ -30,15 +30,24 @@ def micro_corpus(tmp_path_factory) -> list[Path]:
     return build_sample_corpus(tmp_path_factory.mktemp("corpus"), n_docs=160, n_files=2, seed=1)
 
 
-@pytest.fixture(scope="session")
-def micro_teacher(tmp_path_factory, micro_corpus) -> Path:
-    """A tiny Qwen2 teacher (context 64, so real documents are scored in many windows)."""
+MICRO_TEACHER_SPEC = dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                          num_kv_heads=1, context=64, block=32, batch_size=8, steps=30, learning_rate=5e-3)
+
+
+def build_micro_teacher(corpus_files, out_dir) -> Path:
+    """Train on the clean documents but the last 10, which are held out for the build's eval."""
     from pipeline.embedded.sample_corpus import clean_texts
     from pipeline.embedded.tiny_teacher import TinyTeacherSpec, build_tiny_teacher
 
-    spec = TinyTeacherSpec(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                           num_kv_heads=1, context=64, block=32, batch_size=8, steps=30, learning_rate=5e-3)
-    return build_tiny_teacher(clean_texts(micro_corpus), tmp_path_factory.mktemp("teacher") / "micro", spec)
+    texts = clean_texts(corpus_files)
+    return build_tiny_teacher(texts[:-10], out_dir, TinyTeacherSpec(**MICRO_TEACHER_SPEC),
+                              eval_texts={"clean_held_out": texts[-10:]})
+
+
+@pytest.fixture(scope="session")
+def micro_teacher(tmp_path_factory, micro_corpus) -> Path:
+    """A tiny Qwen2 teacher (context 64, so real documents are scored in many windows)."""
+    return build_micro_teacher(micro_corpus, tmp_path_factory.mktemp("teacher") / "micro")
 
 
 @pytest.fixture(scope="session")
