@@ -217,7 +217,11 @@ def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
     done_before = len(done)
     scored: list[dict] = []
     if pending:
-        scored = _run_pool(cfg, prepared, pending, version, done)
+        try:
+            scored = _run_pool(cfg, prepared, pending, version, done)
+        except BaseException:
+            _record_progress(cfg.output_dir, prepared, version)  # list what did finish, then fail
+            raise
     done = finished_shards(cfg.output_dir)
     manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version)
     totals = manifest["totals"]
@@ -235,6 +239,13 @@ def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
         reasons=totals["reasons"],
         complete=manifest["complete"],
     )
+
+
+def _record_progress(output_dir: str, prepared: Prepared, version: str) -> None:
+    try:
+        write_manifest(output_dir, prepared.identity, finished_shards(output_dir), len(prepared.shards), version)
+    except OSError as exc:  # e.g. the disk is full: the markers still hold the truth
+        log.warning("could not update %s/manifest.json after the failure: %s", output_dir, exc)
 
 
 def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec], version: str, done: dict) -> list[dict]:

@@ -1,0 +1,273 @@
+"""A scored dataset in numbers, computed with Polars lazily over all shards.
+
+Everything is one ``pl.collect_all`` of four streaming queries over ``pl.scan_parquet`` of the
+manifest's shards, so memory stays flat however large the dataset grows (checked in
+``tests/test_inspect_memory.py``):
+
+* per shard: documents, empty documents, teacher tokens, NaN / infinite / finite losses, loss sum,
+  min and max (the dataset totals are sums of this small table);
+* the ``top_k`` highest- and lowest-mean-loss documents with at least ``min_tokens`` tokens;
+* a histogram of the finite losses in bins of ``bin_width`` nats.
+
+Loss quantiles come from that histogram (linear inside a bin), so they are exact to within one
+bin width (1/128 nat by default); the mean, min and max are exact. Exact quantiles would need every
+loss in memory at once, which is what this module avoids. Means ignore NaN (the first token of a
+document without BOS has no prediction); infinite losses break the contract, are counted apart
+and left out of every statistic. Skipped documents are not stored, so their counts by reason come
+from the manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import polars as pl
+
+from pipeline.inspection.dataset import ENGINE, ScoredDataset
+from pipeline.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
+
+DEFAULT_QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
+DEFAULT_BIN_WIDTH = 1.0 / 128  # a power of two: bin edges are exact in float32
+
+
+# --------------------------------------------------------------------------------------------
+# Loss histogram
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossHistogram:
+    """Counts of finite losses per bin ``[k w, (k+1) w)``; ``bins`` are the integers ``k``."""
+
+    bin_width: float
+    bins: np.ndarray  # (B,) int64, sorted
+    counts: np.ndarray  # (B,) int64
+    lowest: float  # exact min and max of the values counted
+    highest: float
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile (numpy's "linear" rank ``q (n-1)``), exact to within one bin."""
+        if self.total == 0:
+            return float("nan")
+        rank = q * (self.total - 1)
+        cum = np.cumsum(self.counts)  # (B,)
+        b = int(np.searchsorted(cum, rank, side="right"))
+        before = cum[b - 1] if b > 0 else 0
+        inside = (rank - before + 0.5) / self.counts[b]  # position inside the bin, in (0, 1)
+        value = (self.bins[b] + inside) * self.bin_width
+        return float(min(max(value, self.lowest), self.highest))
+
+    def edges(self) -> np.ndarray:
+        """(B+1,) bin edges of a dense histogram from the lowest to the highest bin."""
+        if self.bins.size == 0:
+            return np.zeros(1)
+        return np.arange(self.bins[0], self.bins[-1] + 2) * self.bin_width
+
+    def dense_counts(self) -> np.ndarray:
+        """(B,) counts of the dense histogram of :meth:`edges` (empty bins as zeros)."""
+        if self.bins.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        dense = np.zeros(int(self.bins[-1] - self.bins[0] + 1), dtype=np.int64)
+        dense[self.bins - self.bins[0]] = self.counts
+        return dense
+
+
+# --------------------------------------------------------------------------------------------
+# The summary
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DatasetSummary:
+    folder: str
+    name: str
+    complete: bool
+    shards_listed: int
+    shards_planned: int | None
+    documents: int
+    empty_documents: int  # stored with zero tokens (empty or whitespace-only text)
+    tokens: int
+    bytes_on_disk: int
+    losses_finite: int
+    losses_nan: int
+    losses_inf: int
+    loss_mean: float
+    quantiles: dict[float, float]
+    skipped: dict[str, int]  # not stored, by reason (manifest)
+    zero_token: dict[str, int]  # stored with zero tokens, by reason (manifest)
+    noted: dict[str, int]  # stored and scored, noted by reason (manifest)
+    per_shard: pl.DataFrame
+    highest: pl.DataFrame  # doc_id, file, tokens, mean_loss
+    lowest: pl.DataFrame
+    histogram: LossHistogram
+    min_tokens: int = 1
+    teacher: dict = field(default_factory=dict)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_on_disk / self.tokens if self.tokens else float("nan")
+
+    @property
+    def nan_share(self) -> float:
+        return self.losses_nan / self.tokens if self.tokens else float("nan")
+
+    @property
+    def loss_min(self) -> float:
+        return self.histogram.lowest
+
+    @property
+    def loss_max(self) -> float:
+        return self.histogram.highest
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able numbers (tables as lists of rows)."""
+        scalars = {k: v for k, v in self.__dict__.items() if not isinstance(v, (pl.DataFrame, LossHistogram))}
+        return {
+            **scalars,
+            "quantiles": {str(q): v for q, v in self.quantiles.items()},
+            "bytes_per_token": self.bytes_per_token,
+            "nan_share": self.nan_share,
+            "loss_min": self.loss_min,
+            "loss_max": self.loss_max,
+            "quantile_resolution": self.histogram.bin_width,
+            "per_shard": self.per_shard.to_dicts(),
+            "highest": self.highest.to_dicts(),
+            "lowest": self.lowest.to_dicts(),
+        }
+
+
+def per_document_stats(frame: pl.LazyFrame) -> pl.LazyFrame:
+    """One row per document: tokens, NaN / infinite / finite loss counts, NaN-aware loss sum,
+    min, max and mean (null when no finite loss). Keeps ``doc_id`` and ``file`` if present."""
+    losses = pl.col("losses")
+    finite = losses.list.eval(pl.element().cast(pl.Float64).filter(pl.element().is_finite()))
+    keep = [c for c in ("doc_id", "file") if c in frame.collect_schema().names()]
+    stats = frame.select(
+        *keep,
+        tokens=losses.list.len().cast(pl.Int64),
+        nan=losses.list.eval(pl.element().is_nan()).list.sum().cast(pl.Int64),
+        finite=finite.list.len().cast(pl.Int64),
+        loss_sum=finite.list.sum(),
+        loss_min=finite.list.min(),
+        loss_max=finite.list.max(),
+    )
+    return stats.with_columns(
+        inf=pl.col("tokens") - pl.col("nan") - pl.col("finite"),
+        mean_loss=pl.when(pl.col("finite") > 0).then(pl.col("loss_sum") / pl.col("finite")),
+    )
+
+
+def loss_histogram_query(frame: pl.LazyFrame, bin_width: float = DEFAULT_BIN_WIDTH) -> pl.LazyFrame:
+    """Finite losses exploded and counted per bin ``floor(loss / bin_width)`` (bounded groups)."""
+    return (
+        frame.select(pl.col("losses").explode().cast(pl.Float64))
+        .filter(pl.col("losses").is_finite())
+        .group_by(bin=(pl.col("losses") / bin_width).floor().cast(pl.Int64))
+        .agg(count=pl.len(), lowest=pl.col("losses").min(), highest=pl.col("losses").max())
+        .sort("bin")
+    )
+
+
+def _per_shard_query(stats: pl.LazyFrame) -> pl.LazyFrame:
+    return stats.group_by("file").agg(
+        documents=pl.len().cast(pl.Int64),
+        empty_documents=(pl.col("tokens") == 0).sum().cast(pl.Int64),
+        tokens=pl.col("tokens").sum(),
+        nan=pl.col("nan").sum(),
+        inf=pl.col("inf").sum(),
+        finite=pl.col("finite").sum(),
+        loss_sum=pl.col("loss_sum").sum(),
+    )
+
+
+def _extremes(stats: pl.LazyFrame, top_k: int, min_tokens: int) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    eligible = stats.filter((pl.col("tokens") >= min_tokens) & pl.col("mean_loss").is_not_null())
+    columns = ["doc_id", "file", "tokens", "mean_loss"]
+    highest = eligible.top_k(top_k, by="mean_loss").select(columns).sort("mean_loss", descending=True)
+    lowest = eligible.bottom_k(top_k, by="mean_loss").select(columns).sort("mean_loss")
+    return highest, lowest
+
+
+def _histogram_from(frame: pl.DataFrame, bin_width: float) -> LossHistogram:
+    if frame.height == 0:
+        return LossHistogram(bin_width, np.zeros(0, np.int64), np.zeros(0, np.int64), float("nan"), float("nan"))
+    return LossHistogram(
+        bin_width=bin_width,
+        bins=frame["bin"].to_numpy().astype(np.int64),
+        counts=frame["count"].to_numpy().astype(np.int64),
+        lowest=float(frame["lowest"].min()),
+        highest=float(frame["highest"].max()),
+    )
+
+
+def _by_reason(reasons: dict[str, int], group: tuple[str, ...]) -> dict[str, int]:
+    return {k: int(v) for k, v in sorted(reasons.items()) if k in group}
+
+
+def summarize(
+    dataset: ScoredDataset,
+    top_k: int = 10,
+    min_tokens: int = 16,
+    quantiles: tuple[float, ...] = DEFAULT_QUANTILES,
+    bin_width: float = DEFAULT_BIN_WIDTH,
+) -> DatasetSummary:
+    """The dataset's summary; extremes only among documents with ``>= min_tokens`` tokens."""
+    frame = dataset.scan(with_file=True)
+    stats = per_document_stats(frame)
+    highest, lowest = _extremes(stats, top_k, min_tokens)
+    shards, highest, lowest, hist = pl.collect_all(
+        [_per_shard_query(stats), highest, lowest, loss_histogram_query(frame, bin_width)], engine=ENGINE
+    )
+    shards = _shard_table(dataset, shards)
+    histogram = _histogram_from(hist, bin_width)
+    total = {c: int(shards[c].sum()) for c in ("documents", "empty_documents", "tokens", "nan", "inf", "finite")}
+    loss_sum = float(shards["loss_sum"].sum() or 0.0)
+    reasons = (dataset.manifest.get("totals") or {}).get("reasons", {})
+    return DatasetSummary(
+        folder=str(dataset.folder),
+        name=dataset.name,
+        complete=bool(dataset.manifest.get("complete")),
+        shards_listed=len(dataset.entries),
+        shards_planned=dataset.manifest.get("n_shards_planned"),
+        documents=total["documents"],
+        empty_documents=total["empty_documents"],
+        tokens=total["tokens"],
+        bytes_on_disk=int(shards["bytes"].sum()),
+        losses_finite=total["finite"],
+        losses_nan=total["nan"],
+        losses_inf=total["inf"],
+        loss_mean=loss_sum / total["finite"] if total["finite"] else float("nan"),
+        quantiles={q: histogram.quantile(q) for q in quantiles},
+        skipped=_by_reason(reasons, SKIP_REASONS),
+        zero_token=_by_reason(reasons, ZERO_TOKEN_REASONS),
+        noted={k: int(v) for k, v in sorted(reasons.items()) if k not in SKIP_REASONS + ZERO_TOKEN_REASONS},
+        per_shard=shards,
+        highest=highest,
+        lowest=lowest,
+        histogram=histogram,
+        min_tokens=min_tokens,
+        teacher=dataset.teacher,
+    )
+
+
+def _shard_table(dataset: ScoredDataset, stats: pl.DataFrame) -> pl.DataFrame:
+    """The per-shard statistics in manifest order, with bytes on disk and skipped counts."""
+    listed = pl.DataFrame(
+        {
+            "file": [e["file"] for e in dataset.entries],
+            "bytes": [(dataset.folder / e["file"]).stat().st_size for e in dataset.entries],
+            "skipped": [sum(v for k, v in e.get("reasons", {}).items() if k in SKIP_REASONS) for e in dataset.entries],
+        },
+        schema={"file": pl.String, "bytes": pl.Int64, "skipped": pl.Int64},
+    )
+    table = listed.join(stats, on="file", how="left", maintain_order="left").fill_null(0)
+    return table.with_columns(
+        bytes_per_token=pl.col("bytes") / pl.col("tokens"),
+        mean_loss=pl.when(pl.col("finite") > 0).then(pl.col("loss_sum") / pl.col("finite")),
+        nan_share=pl.when(pl.col("tokens") > 0).then(pl.col("nan") / pl.col("tokens")),
+    )

@@ -1,0 +1,141 @@
+"""Stage 2 entry point: ``python -m stages.train_student [hydra overrides]`` (``make train-student``).
+
+Reads as a list of steps: compose and check the config, build the embedded student if it is the
+one chosen, train, print the summary. Several processes (``torchrun`` / ``accelerate launch``)
+run the same steps; only the first writes the run folder and prints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.utils import to_absolute_path
+from omegaconf import DictConfig
+
+from pipeline.train import (
+    DataConfig,
+    LossConfig,
+    StudentConfig,
+    TrainConfig,
+    TrainJobConfig,
+    TrainSummary,
+    run_training,
+    validate,
+)
+from stages.common import ConfigError, plain, quiet_libraries, raise_if, typed
+
+log = logging.getLogger("train_student")
+
+
+def job_config(cfg: DictConfig) -> TrainJobConfig:
+    """The typed job configuration; every problem in the config is reported at once."""
+    problems: list[str] = []
+    student = typed(StudentConfig, plain(cfg, "student"), "student", problems, drop=("embedded", "build"))
+    data = typed(DataConfig, plain(cfg, "data"), "data", problems, drop=("corpus", "teacher"))
+    loss = typed(LossConfig, plain(cfg, "loss"), "loss", problems)
+    train = typed(TrainConfig, plain(cfg, "train"), "train", problems)
+    raise_if(problems)
+    job = TrainJobConfig(
+        student=_absolute_model(student, embedded=bool(cfg.student.get("embedded"))),
+        data=DataConfig(**{**data.__dict__, "folders": [to_absolute_path(f) for f in data.folders],
+                           "cache_dir": to_absolute_path(data.cache_dir) if data.cache_dir else None}),
+        loss=loss,
+        train=train,
+        output_dir=to_absolute_path(cfg.output_dir),
+        overwrite=bool(cfg.overwrite),
+    )
+    raise_if(validate(job, world_size=1))  # the batch geometry is checked again for the real world size
+    return job
+
+
+def _absolute_model(student: StudentConfig, embedded: bool) -> StudentConfig:
+    """Local model folders (and the embedded student's, built later) become absolute paths; hub ids
+    stay as they are."""
+    if embedded or Path(student.model).exists():
+        return StudentConfig(**{**student.__dict__, "model": to_absolute_path(student.model)})
+    return student
+
+
+def check_data_exists(job: TrainJobConfig) -> None:
+    missing = [f for f in job.data.folders if not Path(f).is_dir()]
+    if missing:
+        raise ConfigError(
+            "scored dataset folder(s) not found:\n  - " + "\n  - ".join(missing)
+            + "\nScore the corpus first (make score-teacher, with the same teacher and data), "
+            "or point data.folders at a scored dataset."
+        )
+
+
+def build_embedded(cfg: DictConfig) -> None:
+    """Build (or find cached) the tiny student when the config uses it."""
+    if not cfg.student.get("embedded"):
+        return
+    from filelock import FileLock
+
+    from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
+
+    b = cfg.student.build
+    artifacts = to_absolute_path(cfg.artifacts_dir)
+    Path(artifacts).mkdir(parents=True, exist_ok=True)
+    with FileLock(str(Path(artifacts) / ".tiny-student.lock")):  # several processes of one launch
+        built = ensure_tiny_student(artifacts, corpus_docs=b.corpus_docs, seed=b.seed,
+                                    spec=TinyStudentSpec(vocab_size=b.vocab_size, seed=b.seed))
+    if Path(built).resolve() != Path(to_absolute_path(cfg.student.model)).resolve():
+        raise ConfigError(f"student.model {cfg.student.model} is not where the tiny student is built ({built})")
+
+
+def print_summary(s: TrainSummary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    d, last = s.data, s.last_log
+    skipped = d["shards_skipped"]
+    rows = [
+        ("run", s.output_dir + (f" (resumed from {Path(s.resumed_from).name})" if s.resumed_from else "")),
+        ("final model", f"{s.final_model}  (AutoModelForCausalLM.from_pretrained)"),
+        ("data", f"teacher {d['teacher']}: {d['shards_used']} shards, {d['n_documents']:,} documents, "
+                 f"{d['n_tokens']:,} student tokens, {d['n_samples']:,} samples of {d['seq_len']}"),
+        ("skipped", f"{len(skipped)} shard(s): " + ", ".join(Path(b['file']).name for b in skipped) if skipped
+         else f"no shard; {d['n_empty']} empty document(s) left out"),
+        ("alignment", f"{d['alignment']} ({d['aggregate']})"),
+        ("steps", f"{s.steps} ({s.tokens_per_step:,} tokens each)"),
+        ("throughput", f"{s.tokens_per_s:,.0f} tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
+    ]
+    if last:
+        rows.append(("last log", ", ".join(f"{k} {last[k]:.4g}" for k in (
+            "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "excess_loss", "learning_rate") if k in last)))
+    table = Table(title="train-student", show_header=False, title_justify="left")
+    for k, v in rows:
+        table.add_row(k, v)
+    console = Console()
+    console.print(table)
+    console.print(f"Metrics: {Path(s.output_dir) / 'metrics.jsonl'}; "
+                  f"TensorBoard: tensorboard --logdir {Path(s.output_dir) / 'runs'}", markup=False, highlight=False)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train_student")
+def main(cfg: DictConfig) -> None:
+    quiet_libraries()
+    job = job_config(cfg)
+    check_data_exists(job)
+    build_embedded(cfg)
+    summary = run_training(job)
+    if _is_main_process():
+        print_summary(summary)
+        (Path(job.output_dir) / "summary.json").write_text(
+            json.dumps({**summary.__dict__, "tokens_per_s": summary.tokens_per_s}, indent=1, default=str)
+        )
+
+
+def _is_main_process() -> bool:
+    import os
+
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

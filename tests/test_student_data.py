@@ -1,0 +1,234 @@
+"""Stage-2 data on real components: the tiny student's tokenizer, the micro scored dataset, packing,
+alignment in data-loader workers, order, caching and bad shards."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+from pipeline.scored_dataset import BadShardError, open_scored_dataset
+from pipeline.student_data import (
+    AlignmentConfig,
+    PackingConfig,
+    build_student_data,
+    collate_packed,
+    document_order,
+)
+from pipeline.tokenization import TokenizerError, bos_token_id, encode, fingerprint, load_tokenizer
+
+SEQ = 64
+SMALL_STUDENT = TinyStudentSpec(vocab_size=700, limit_alphabet=100, hidden_size=32, intermediate_size=64,
+                                num_layers=2, num_heads=2, num_kv_heads=1, context=128)
+
+
+@pytest.fixture(scope="module")
+def student_dir(micro_corpus, tmp_path_factory) -> Path:
+    from pipeline.embedded.sample_corpus import clean_texts
+
+    return build_tiny_student(clean_texts(micro_corpus), tmp_path_factory.mktemp("student") / "tiny", SMALL_STUDENT)
+
+
+@pytest.fixture(scope="module")
+def student(student_dir):
+    return load_tokenizer(str(student_dir))
+
+
+@pytest.fixture(scope="module")
+def scored(micro_scored):
+    return open_scored_dataset([micro_scored])
+
+
+def data_for(scored, tokenizer, tmp_path=None, **packing):
+    alignment = packing.pop("alignment", AlignmentConfig())
+    on_bad_shard = packing.pop("on_bad_shard", "error")
+    return build_student_data(scored, tokenizer, PackingConfig(seq_len=SEQ, **packing), alignment,
+                              cache_dir=tmp_path, on_bad_shard=on_bad_shard)
+
+
+# --------------------------------------------------------------------------------------------
+# The tiny student's tokenizer
+
+
+def test_tiny_student_tokenizer_is_sentencepiece_style_with_byte_fallback(student, micro_teacher):
+    from transformers import AutoTokenizer
+
+    assert student.is_fast and type(AutoTokenizer.from_pretrained(student.name_or_path)).__name__ != "PreTrainedTokenizer"
+    text = "Let 🙂 x = 12"
+    enc = encode(student, text)
+    pieces = student.convert_ids_to_tokens(enc.ids.tolist())
+    assert pieces[0] == "▁Let" and (enc.starts[0], enc.ends[0]) == (0, 3)  # virtual space has no character
+    emoji = [i for i, p in enumerate(pieces) if p.startswith("<0x")]
+    assert [pieces[i] for i in emoji] == ["<0xF0>", "<0x9F>", "<0x99>", "<0x82>"]
+    assert {(enc.starts[i], enc.ends[i]) for i in emoji} == {(4, 5)}  # all carry the emoji's span
+    assert bos_token_id(student) == student.convert_tokens_to_ids("<s>") == 1
+    assert student.decode(student(text)["input_ids"], skip_special_tokens=True) == text
+    assert student.eos_token_id not in encode(student, "quoted </s> and <s> stay text").ids
+    teacher = load_tokenizer(str(micro_teacher))
+    assert fingerprint(teacher) != fingerprint(student)
+    shared = set(teacher.get_vocab()) & set(student.get_vocab())
+    assert len(shared) < 0.5 * len(student)  # really another vocabulary
+
+
+def test_tiny_student_build_is_cached(micro_corpus, student_dir):
+    from pipeline.embedded.sample_corpus import clean_texts
+
+    stamp = (student_dir / "_BUILD.json").stat().st_mtime_ns
+    assert build_tiny_student(clean_texts(micro_corpus), student_dir, SMALL_STUDENT) == student_dir
+    assert (student_dir / "_BUILD.json").stat().st_mtime_ns == stamp
+
+
+# --------------------------------------------------------------------------------------------
+# Packing and alignment
+
+
+def brute_force_teacher_loss(student_enc, row: dict) -> np.ndarray:
+    """max over overlapping teacher tokens of their finite losses, NaN if none (METHOD 2.1)."""
+    out = np.full(len(student_enc), np.nan, np.float32)
+    for i, (c, d) in enumerate(zip(student_enc.starts, student_enc.ends)):
+        values = [l for a, b, l in zip(row["starts"], row["ends"], row["losses"])
+                  if d > c and b > a and a < d and b > c and not math.isnan(l)]
+        if values:
+            out[i] = max(values)
+    return out
+
+
+def expected_stream(data, tokenizer, n_docs: int):
+    """ids, L_t and mapped of the first ``n_docs`` documents of the plan, rebuilt independently."""
+    tables = {i: pq.read_table(s.path).to_pylist() for i, s in enumerate(data.scored.shards)}
+    ids, losses = [], []
+    for shard, row in zip(data.plan.doc_shard[:n_docs], data.plan.doc_row[:n_docs]):
+        record = tables[int(shard)][int(row)]
+        enc = encode(tokenizer, record["text"])
+        ids += [tokenizer.bos_token_id, *enc.ids.tolist(), tokenizer.eos_token_id]
+        losses += [np.nan, *brute_force_teacher_loss(enc, record).tolist(), np.nan]
+    losses = np.asarray(losses, np.float32)
+    return np.asarray(ids), losses, ~np.isnan(losses)
+
+
+def test_samples_are_the_packed_aligned_stream(scored, student):
+    data = data_for(scored, student)
+    ds = data.dataset
+    n = 12
+    ids, losses, mapped = expected_stream(data, student, n_docs=n)
+    covered = int(data.plan.doc_end[n - 1]) // SEQ - 1  # samples entirely inside the first n documents
+    assert covered > 3
+    samples = [ds[k] for k in range(covered)]
+    got_ids = np.concatenate([s["input_ids"].numpy() for s in samples] + [samples[-1]["labels"][-1:].numpy()])
+    np.testing.assert_array_equal(got_ids, ids[: covered * SEQ + 1])
+    for k, s in enumerate(samples):  # targets and their teacher losses are the next position's
+        window = slice(k * SEQ + 1, (k + 1) * SEQ + 1)
+        np.testing.assert_array_equal(s["labels"].numpy(), ids[window])
+        np.testing.assert_array_equal(s["teacher_loss"].numpy(), losses[window])
+        np.testing.assert_array_equal(s["mapped"].numpy(), mapped[window])
+        assert int(s["sample_index"]) == k and s["input_ids"].dtype == torch.int64
+    eos = student.eos_token_id
+    assert (got_ids == eos).sum() >= n - 1 and not np.any(mapped[ids == eos])
+    assert len(ds) == data.plan.n_samples == (data.plan.n_tokens - 1) // SEQ
+
+
+def test_empty_documents_are_left_out_and_teacherless_ones_are_unmapped(scored, student):
+    data = data_for(scored, student, shuffle=False)
+    texts = [t for s in data.scored.shards for t in pq.read_table(s.path, columns=["text"]).column("text").to_pylist()]
+    n_empty = sum(1 for t in texts if len(encode(student, t)) == 0)
+    assert n_empty >= 1 and data.plan.n_empty == n_empty
+    assert data.plan.doc_row.size == len(texts) - n_empty
+    whitespace = [i for i, t in enumerate(texts) if t and not t.strip()]
+    assert whitespace, "the micro corpus has whitespace-only documents"
+    d = whitespace[0] - sum(1 for t in texts[: whitespace[0]] if len(encode(student, t)) == 0)
+    doc = data.dataset.document(d)
+    assert doc.ids.size > 2 and not doc.mapped.any() and np.isnan(doc.teacher_loss).all()
+
+
+def test_alignment_variants(scored, student, micro_teacher):
+    token_max = data_for(scored, student).dataset
+    token_min = data_for(scored, student, alignment=AlignmentConfig(aggregate="min")).dataset
+    for k in range(3):
+        hi, lo = token_max[k]["teacher_loss"].numpy(), token_min[k]["teacher_loss"].numpy()
+        assert np.array_equal(np.isnan(hi), np.isnan(lo)) and np.all(lo[~np.isnan(lo)] <= hi[~np.isnan(hi)])
+    chunked = data_for(scored, student, alignment=AlignmentConfig(method="chunk", n_chunks=2)).dataset
+    doc = chunked.document(0)
+    assert len(set(doc.teacher_loss[doc.mapped].tolist())) <= 2  # one mean per chunk
+    # The teacher's own tokenizer as the student: one-to-one, the stored losses exactly.
+    teacher_tok = load_tokenizer(str(micro_teacher))
+    same = data_for(scored, teacher_tok)
+    assert same.alignment.method == "one_to_one" and not same.plan.add_bos
+    row = pq.read_table(same.scored.shards[int(same.plan.doc_shard[0])].path).to_pylist()[int(same.plan.doc_row[0])]
+    first = same.dataset[0]
+    n = min(SEQ, len(row["token_ids"]) - 1)
+    np.testing.assert_array_equal(first["labels"][:n].numpy(), row["token_ids"][1 : n + 1])
+    np.testing.assert_array_equal(first["teacher_loss"][:n].numpy(), np.asarray(row["losses"][1 : n + 1], np.float32))
+
+
+def test_order_is_a_function_of_seed_and_epoch():
+    rows = [5, 3, 4]
+    a = document_order(rows, seed=1, epoch=0, shuffle=True)
+    assert all(np.array_equal(x, y) for x, y in zip(a, document_order(rows, 1, 0, True)))
+    assert not np.array_equal(a[1], document_order(rows, 2, 0, True)[1])
+    assert not np.array_equal(a[1], document_order(rows, 1, 1, True)[1])
+    pairs = sorted(zip(a[0].tolist(), a[1].tolist()))
+    assert pairs == [(s, r) for s, n in enumerate(rows) for r in range(n)]  # every document once
+    shard, row = document_order(rows, 1, 0, shuffle=False)
+    assert shard.tolist() == [0] * 5 + [1] * 3 + [2] * 4 and row.tolist() == [*range(5), *range(3), *range(4)]
+
+
+def test_epochs_are_concatenated(scored, student):
+    one, two = data_for(scored, student), data_for(scored, student, epochs=2)
+    assert two.plan.doc_row.size == 2 * one.plan.doc_row.size
+    assert two.plan.n_tokens == 2 * one.plan.n_tokens
+    np.testing.assert_array_equal(two.plan.doc_row[: one.plan.doc_row.size], one.plan.doc_row)
+
+
+def test_alignment_in_workers_gives_the_same_batches(scored, student):
+    ds = data_for(scored, student).dataset
+
+    def batches(workers: int) -> list[dict]:
+        loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=collate_packed)
+        return [b for _, b in zip(range(5), loader)]
+
+    for inline, parallel in zip(batches(0), batches(2)):
+        for key in inline:
+            torch.testing.assert_close(inline[key], parallel[key], equal_nan=True, rtol=0, atol=0)
+
+
+def test_token_counts_are_cached(scored, student, tmp_path, monkeypatch):
+    first = data_for(scored, student, tmp_path)
+    assert len(list(tmp_path.rglob("*.npy"))) == len(scored.shards)
+
+    def no_tokenization(job):
+        raise AssertionError("counts should come from the cache")
+
+    monkeypatch.setattr("pipeline.student_data._count_shard", no_tokenization)
+    second = data_for(scored, student, tmp_path)
+    np.testing.assert_array_equal(first.plan.doc_end, second.plan.doc_end)
+
+
+def test_corrupt_shard_is_an_error_naming_the_file_or_skipped(micro_scored, student, tmp_path):
+    folder = tmp_path / "ds"
+    shutil.copytree(micro_scored, folder)
+    victim = folder / "shard-000002.parquet"
+    data = bytearray(victim.read_bytes())
+    data[100 : len(data) // 2] = bytes(len(data) // 2 - 100)  # same size, footer intact: passes the open
+    victim.write_bytes(bytes(data))
+    scored = open_scored_dataset([folder])
+    with pytest.raises(BadShardError, match="shard-000002.parquet"):
+        data_for(scored, student)
+    kept = data_for(scored, student, on_bad_shard="skip")
+    assert [Path(b["file"]).name for b in kept.scored.skipped] == ["shard-000002.parquet"]
+    assert victim not in [s.path for s in kept.scored.shards]
+    assert kept.identity("x", PackingConfig(seq_len=SEQ))["shards_skipped"] == kept.scored.skipped
+
+
+def test_slow_tokenizer_is_refused(scored, shared_tokenizers, tmp_path):
+    from transformers import BertGenerationTokenizer
+
+    shutil.copy(shared_tokenizers / "mistral-v1.tokenizer.model", tmp_path / "tokenizer.model")
+    slow = BertGenerationTokenizer.from_pretrained(str(tmp_path))
+    with pytest.raises(TokenizerError, match="slow"):
+        data_for(scored, slow)
