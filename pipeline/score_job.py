@@ -20,7 +20,15 @@ from pathlib import Path
 from pipeline import __version__
 from pipeline.corpus import CorpusConfig, ShardSpec, corpus_identity, plan_shards, read_shard, resolve_sources
 from pipeline.scoring.base import ScorerConfig
-from pipeline.shards import finished_shards, prepare_output, write_manifest, write_shard
+from pipeline.shards import (
+    DatasetMismatchError,
+    exclusive_writer,
+    finished_shards,
+    folder_problem,
+    prepare_output,
+    write_manifest,
+    write_shard,
+)
 from pipeline.teacher import SKIP_REASONS, WindowSettings
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 
@@ -209,6 +217,20 @@ def _shard_source(spec: ShardSpec) -> dict:
 def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
     t0 = time.perf_counter()
     prepared = prepare(cfg)
+    _refuse_mismatch_early(cfg, prepared)
+    with exclusive_writer(cfg.output_dir):
+        return _score(cfg, prepared, t0)
+
+
+def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
+    """Check an existing folder before creating anything in it (the check repeats under the lock)."""
+    if Path(cfg.output_dir).is_dir() and not cfg.overwrite:
+        problem = folder_problem(Path(cfg.output_dir), prepared.identity)
+        if problem:
+            raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
+
+
+def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     version = code_version()
     done = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite)
     pending = [s for s in prepared.shards if s.index not in done]

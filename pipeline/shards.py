@@ -11,9 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
 from typing import Sequence
@@ -38,6 +41,37 @@ from storage_schemas.scored import SHARD_RE, iter_identity_differences
 
 class DatasetMismatchError(RuntimeError):
     """The output folder holds a dataset scored with another identity."""
+
+
+class DatasetBusyError(RuntimeError):
+    """Another job is writing the same dataset folder."""
+
+
+LOCK_NAME = ".lock"
+
+
+@contextlib.contextmanager
+def exclusive_writer(folder: str | os.PathLike):
+    """Hold an exclusive lock on ``folder`` (created if missing) for one job's lifetime.
+
+    ``flock`` is released by the kernel when the holder dies, even on SIGKILL, so a crashed job
+    never blocks the rerun. (On network filesystems without ``flock`` support the lock may be
+    advisory only: do not point two jobs at one folder there.)
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            raise DatasetBusyError(f"{folder}: another scoring job is writing this dataset ({holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,11 +162,10 @@ def prepare_output(folder: str | os.PathLike, identity: dict, overwrite: bool) -
     without a manifest, unless ``overwrite``. Leftover temporary files are removed.
     """
     folder = Path(folder)
-    manifest_path = folder / MANIFEST_NAME
     if folder.exists() and not folder.is_dir():
         raise DatasetMismatchError(f"{folder}: exists and is not a folder")
     if folder.is_dir():
-        problem = _folder_problem(folder, identity)
+        problem = folder_problem(folder, identity)
         if problem and not overwrite:
             raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
         if problem:
@@ -141,12 +174,11 @@ def prepare_output(folder: str | os.PathLike, identity: dict, overwrite: bool) -
     for leftover in folder.glob(".*.tmp-*"):
         leftover.unlink()
     done = finished_shards(folder)
-    if not manifest_path.exists() or done:
-        write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"])
+    write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"])
     return done
 
 
-def _folder_problem(folder: Path, identity: dict) -> str | None:
+def folder_problem(folder: Path, identity: dict) -> str | None:
     manifest_path = folder / MANIFEST_NAME
     if manifest_path.exists():
         try:
@@ -166,6 +198,8 @@ def _folder_problem(folder: Path, identity: dict) -> str | None:
 
 def _clear_dataset(folder: Path) -> None:
     for path in folder.iterdir():
+        if path.name == LOCK_NAME:
+            continue
         if SHARD_RE.match(path.name) or path.name.endswith(".done.json") or path.name == MANIFEST_NAME:
             path.unlink()
         elif path.name.startswith(".") and ".tmp-" in path.name:

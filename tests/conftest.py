@@ -22,6 +22,29 @@ def shared_tokenizers() -> Path:
     return SHARED_TOKENIZERS
 
 
+REAL_TOKENIZER_FILES = {
+    "llama-spm": "ggml-vocab-llama-spm.gguf",  # TinyLlama / Llama-2 (the student), Llemma
+    "qwen2": "ggml-vocab-qwen2.gguf",  # Qwen2.5-Math
+    "deepseek": "ggml-vocab-deepseek-llm.gguf",  # DeepSeekMath
+    "mistral": "mistral-v1.tokenizer.model",  # Mistral-7B / Mistral-ProXMath
+}
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(shared_tokenizers):
+    """``real_tokenizer(name)``: the real tokenizer, loaded once per session (Qwen2's takes ~10 s)."""
+    from pipeline.tokenization import load_tokenizer
+
+    cache = {}
+
+    def load(name: str):
+        if name not in cache:
+            cache[name] = load_tokenizer(str(shared_tokenizers / REAL_TOKENIZER_FILES[name]))
+        return cache[name]
+
+    return load
+
+
 @pytest.fixture(scope="session")
 def micro_corpus(tmp_path_factory) -> list[Path]:
     """A 160-document sample corpus in OpenWebMath's schema (two Parquet files)."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.align import align_document, align_spans, alignment_quality, overlap_pairs
-from pipeline.tokenization import encode, load_tokenizer
+from pipeline.tokenization import encode
 
 TOKENIZERS = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers"
 pytestmark = pytest.mark.skipif(
@@ -39,13 +39,13 @@ TEXTS = [
 
 
 @pytest.fixture(scope="session")
-def student():
-    return load_tokenizer(str(TOKENIZERS / STUDENT))
+def student(real_tokenizer):
+    return real_tokenizer("llama-spm")
 
 
 @pytest.fixture(scope="session")
-def teachers():
-    return {name: load_tokenizer(str(TOKENIZERS / file)) for name, file in TEACHERS.items()}
+def teachers(real_tokenizer):
+    return {name: real_tokenizer(name) for name in TEACHERS}
 
 
 def brute_force_pairs(s, t) -> set[tuple[int, int]]:

@@ -171,6 +171,16 @@ def assert_same_dataset(a_dir, b_dir):
         assert file_sha256(a) == file_sha256(b), f"{a.name}: files differ byte-wise"
 
 
+def test_second_job_on_the_same_folder_is_refused(micro_teacher, micro_corpus, tmp_path):
+    from pipeline.shards import DatasetBusyError, exclusive_writer
+
+    out = tmp_path / "ds"
+    with exclusive_writer(out):  # as if another driver were running
+        with pytest.raises(DatasetBusyError, match=f"pid {os.getpid()}"):
+            run_score_job(job(micro_teacher, micro_corpus[:1], out))
+    assert not list(out.glob("shard-*")), "the refused job wrote nothing"
+
+
 def prepare_and_run(cfg):
     return run_score_job(cfg)
 

@@ -5,7 +5,7 @@ import shutil
 import numpy as np
 import pytest
 
-from pipeline.tokenization import TokenizerError, bos_token_id, encode, encode_batch, fingerprint, load_tokenizer
+from pipeline.tokenization import TokenizerError, bos_token_id, encode, encode_batch, fingerprint
 
 TEXTS = [
     "Let $x^2 + y^2 = r^2$ and \\frac{a}{b} \\le \\sqrt{2}.",
@@ -24,13 +24,13 @@ FILES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FILES))
-def real_tokenizer(request, shared_tokenizers):
-    return request.param, load_tokenizer(str(shared_tokenizers / FILES[request.param]))
+@pytest.fixture(params=sorted(FILES))
+def named_tokenizer(request, real_tokenizer):
+    return request.param, real_tokenizer(request.param)
 
 
-def test_offsets_are_in_range_and_ordered(real_tokenizer):
-    name, tok = real_tokenizer
+def test_offsets_are_in_range_and_ordered(named_tokenizer):
+    name, tok = named_tokenizer
     for text, enc in zip(TEXTS, encode_batch(tok, TEXTS)):
         assert len(enc) > 0
         assert enc.ids.dtype == np.int32 and enc.starts.dtype == np.int32
@@ -38,10 +38,10 @@ def test_offsets_are_in_range_and_ordered(real_tokenizer):
         assert (np.diff(enc.starts) >= 0).all(), f"{name}: starts decrease on {text!r}"
 
 
-def test_every_clean_token_decodes_to_its_text_slice(real_tokenizer):
+def test_every_clean_token_decodes_to_its_text_slice(named_tokenizer):
     """Tokens that own their span alone (no byte-split character shares it) decode to exactly the
     characters their offsets point at, up to the SentencePiece word-boundary space."""
-    name, tok = real_tokenizer
+    name, tok = named_tokenizer
     checked = 0
     for text, enc in zip(TEXTS, encode_batch(tok, TEXTS)):
         spans = list(zip(enc.starts.tolist(), enc.ends.tolist()))
@@ -55,8 +55,8 @@ def test_every_clean_token_decodes_to_its_text_slice(real_tokenizer):
     assert checked > 50
 
 
-def test_special_token_strings_are_plain_text(real_tokenizer):
-    name, tok = real_tokenizer
+def test_special_token_strings_are_plain_text(named_tokenizer):
+    name, tok = named_tokenizer
     special_ids = set(tok.all_special_ids)
     enc = encode(tok, TEXTS[-1])
     assert not special_ids & set(enc.ids.tolist()), f"{name}: a special token string became a control token"
@@ -64,22 +64,21 @@ def test_special_token_strings_are_plain_text(real_tokenizer):
     assert "endoftext" in covered and "</" in covered
 
 
-def test_method_offset_quirks_are_present(shared_tokenizers):
-    llama = load_tokenizer(str(shared_tokenizers / FILES["llama-spm"]))
+def test_method_offset_quirks_are_present(real_tokenizer):
+    llama = real_tokenizer("llama-spm")
     enc = encode(llama, "Let me 🙂")
     assert (enc.starts[0], enc.ends[0]) == (0, 3), "virtual leading space has no source character"
     emoji = [(s, e) for s, e in zip(enc.starts, enc.ends) if (s, e) == (7, 8)]
     assert len(emoji) == 4, "byte-fallback pieces of one character share its span"
-    qwen = load_tokenizer(str(shared_tokenizers / FILES["qwen2"]))
+    qwen = real_tokenizer("qwen2")
     enc = encode(qwen, "x = ∑ y")
     spans = list(zip(enc.starts.tolist(), enc.ends.tolist()))
     assert any(a[1] > b[0] for a, b in zip(spans, spans[1:])), "byte-level split character gives overlapping spans"
     assert bos_token_id(qwen) is None and bos_token_id(llama) == llama.bos_token_id
 
 
-def test_fingerprint_tells_vocabularies_apart(shared_tokenizers):
-    a = load_tokenizer(str(shared_tokenizers / FILES["llama-spm"]))
-    b = load_tokenizer(str(shared_tokenizers / FILES["mistral"]))
+def test_fingerprint_tells_vocabularies_apart(real_tokenizer):
+    a, b = real_tokenizer("llama-spm"), real_tokenizer("mistral")
     assert fingerprint(a) != fingerprint(b) and fingerprint(a) == fingerprint(a)
 
 

@@ -48,14 +48,17 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 UNICODE_TO_BYTE = _byte_level_alphabet()
+# Alphabet characters to the code point of their byte; the latin-1 characters that are not in the
+# alphabet (space, controls...) to one that latin-1 cannot encode, so that they fail as others do.
+_TO_LATIN1 = str.maketrans({**{chr(b): "\uffff" for b in range(256)}, **{ch: chr(b) for ch, b in UNICODE_TO_BYTE.items()}})
 
 
 def normalise_token(token: str, kind: str) -> bytes:
     """The bytes of the text ``token`` stands for, in a tokenizer of family ``kind``."""
     if kind == BYTE_LEVEL:
-        try:
-            return bytes(UNICODE_TO_BYTE[ch] for ch in token)
-        except KeyError:  # not in the byte alphabet: a literal string
+        try:  # each alphabet character to the code point of its byte, then one byte each
+            return token.translate(_TO_LATIN1).encode("latin-1")
+        except UnicodeEncodeError:  # a character outside the alphabet: a literal string
             return token.encode("utf-8")
     if kind == SENTENCEPIECE:
         match = _SP_BYTE.fullmatch(token)
@@ -93,8 +96,11 @@ class Vocabulary:
 
 def tokenizer_kind(tokenizer) -> str:
     """The family of a fast tokenizer, from its pre-tokenizer and decoder."""
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    parts = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")], ensure_ascii=False)
+    backend = tokenizer.backend_tokenizer
+    parts = " ".join(
+        json.dumps(json.loads(part.__getstate__()), ensure_ascii=False)
+        for part in (backend.pre_tokenizer, backend.decoder) if part is not None
+    )
     if '"ByteLevel"' in parts:
         return BYTE_LEVEL
     if '"Metaspace"' in parts or _SP_SPACE in parts:
