@@ -22,6 +22,7 @@ from pipeline.corpus import CorpusConfig, ShardSpec, corpus_identity, plan_shard
 from pipeline.scoring.base import ScorerConfig
 from pipeline.shards import (
     DatasetMismatchError,
+    StorageConfig,
     exclusive_writer,
     finished_shards,
     folder_problem,
@@ -73,7 +74,7 @@ class ScoreJobConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     overwrite: bool = False
     limit_shards: int | None = None  # score at most this many pending shards in this run
-    compression: str = "zstd"
+    storage: StorageConfig = field(default_factory=StorageConfig)
     progress: bool = True
     manifest_every_s: float = 10.0
 
@@ -154,6 +155,7 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
             "backend": cfg.scorer.backend,
         },
         "windows": {"window": window, "stride": stride, "min_left_context": window - stride},
+        "loss_precision": cfg.storage.loss_precision,
         "corpus": corpus_identity(cfg.corpus, sources, shards),
     }
     return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings)
@@ -199,7 +201,7 @@ class ShardScorer:
         result = score_documents(docs, self.tokenizer, self.scorer, self.prepared.settings)
         entry = write_shard(
             self.cfg.output_dir, spec.index, result, self.prepared.identity,
-            _shard_source(spec), self.version, compression=self.cfg.compression,
+            _shard_source(spec), self.version, storage=self.cfg.storage,
         )
         entry["seconds"] = time.perf_counter() - t0
         return entry

@@ -21,6 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
+from dataclasses import dataclass, replace
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -78,6 +80,54 @@ def exclusive_writer(folder: str | os.PathLike):
 # One shard
 
 
+@dataclass(frozen=True)
+class StorageConfig:
+    """How shards are encoded on disk; the schema and the row contents do not change.
+
+    ``encodings="compact"`` uses Parquet's DELTA_BINARY_PACKED for ids and offsets and
+    BYTE_STREAM_SPLIT for losses (measured on the sample corpus: 10.8 -> 6.3 bytes per teacher
+    token at zstd level 9). ``loss_precision`` rounds losses to bfloat16 or float16 precision
+    before they are stored as float32: the dropped mantissa bits compress to nothing (losses
+    3.5 -> ~1.3-2.1 bytes/token). Rounding changes the stored values, so it is part of the
+    dataset's identity; the encodings are not.
+    """
+
+    compression: str = "zstd"
+    compression_level: int | None = None
+    encodings: str = "default"  # default | compact
+    loss_precision: str = "float32"  # float32 | bfloat16 | float16
+
+
+COMPACT_ENCODINGS = {
+    "token_ids": "DELTA_BINARY_PACKED",
+    "starts": "DELTA_BINARY_PACKED",
+    "ends": "DELTA_BINARY_PACKED",
+    "losses": "BYTE_STREAM_SPLIT",
+}
+
+
+def round_losses(losses: np.ndarray, precision: str) -> np.ndarray:
+    """Round float32 losses to a coarser precision, keeping float32 storage (NaN stays NaN)."""
+    if precision == "float32":
+        return losses
+    if precision == "float16":
+        return losses.astype(np.float16).astype(np.float32)
+    if precision == "bfloat16":  # round to nearest even on the upper 16 bits
+        bits = losses.astype(np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)
+        return np.where(np.isnan(losses), losses, rounded.view(np.float32)).astype(np.float32)
+    raise ValueError(f"unknown loss precision {precision!r}; choose float32, bfloat16 or float16")
+
+
+def _parquet_options(storage: StorageConfig) -> dict:
+    options = dict(compression=storage.compression, compression_level=storage.compression_level, row_group_size=1024)
+    if storage.encodings == "compact":
+        options.update(use_dictionary=["doc_id"], column_encoding=COMPACT_ENCODINGS)
+    elif storage.encodings != "default":
+        raise ValueError(f"unknown encodings {storage.encodings!r}; choose default or compact")
+    return options
+
+
 def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
     lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
     offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
@@ -107,16 +157,19 @@ def write_shard(
     identity: dict,
     shard_source: dict,
     code_version: str,
-    compression: str = "zstd",
+    storage: StorageConfig = StorageConfig(),
 ) -> dict:
     """Write one shard atomically, then its completion marker; returns the marker entry."""
     folder = Path(folder)
     final = folder / shard_name(index)
     tmp = folder / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
     schema = schema_with_metadata(identity, {"index": index, **shard_source}, code_version)
-    table = documents_table(result.documents, schema)
+    docs = result.documents
+    if storage.loss_precision != "float32":
+        docs = [replace(d, losses=round_losses(d.losses, storage.loss_precision)) for d in docs]
+    table = documents_table(docs, schema)
     try:
-        pq.write_table(table, tmp, compression=compression, row_group_size=1024)
+        pq.write_table(table, tmp, **_parquet_options(storage))
         _fsync_file(tmp)
         os.replace(tmp, final)
         _fsync_dir(folder)

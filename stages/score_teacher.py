@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from pipeline.corpus import CorpusConfig
 from pipeline.score_job import JobSummary, PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
 from pipeline.scoring.base import ScorerConfig
+from pipeline.shards import StorageConfig
 from pipeline.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
 from stages.common import ConfigError, plain, quiet_libraries, raise_if, typed
 
@@ -33,6 +34,11 @@ def job_config(cfg: DictConfig) -> ScoreJobConfig:
     scorer = typed(ScorerConfig, plain(cfg, "scorer"), "scorer", problems)
     ray_cfg = typed(RayConfig, plain(cfg, "ray"), "ray", problems)
     pool = typed(PoolConfig, plain(cfg, "pool"), "pool", problems)
+    storage = typed(StorageConfig, plain(cfg, "storage"), "storage", problems)
+    if storage and storage.encodings not in ("default", "compact"):
+        problems.append(f"storage.encodings: {storage.encodings!r} is not one of default, compact")
+    if storage and storage.loss_precision not in ("float32", "bfloat16", "float16"):
+        problems.append(f"storage.loss_precision: {storage.loss_precision!r} is not one of float32, bfloat16, float16")
     if scorer and scorer.backend not in ("transformers", "vllm"):
         problems.append(f"scorer.backend: {scorer.backend!r} is not one of transformers, vllm")
     if corpus and corpus.source not in ("files", "hub"):
@@ -44,7 +50,7 @@ def job_config(cfg: DictConfig) -> ScoreJobConfig:
     return ScoreJobConfig(
         teacher=teacher, corpus=corpus, scorer=scorer, ray=ray_cfg, pool=pool,
         output_dir=to_absolute_path(cfg.output_dir), overwrite=bool(cfg.overwrite),
-        limit_shards=cfg.limit_shards, compression=cfg.compression, progress=bool(cfg.progress),
+        limit_shards=cfg.limit_shards, storage=storage, progress=bool(cfg.progress),
     )
 
 

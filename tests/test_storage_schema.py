@@ -87,3 +87,39 @@ def test_manifest_paths_cannot_leave_the_dataset_folder(tmp_path):
         {"schema_version": SCHEMA_VERSION, "shards": [{"file": "../../etc/passwd"}]}))
     with pytest.raises(ContractError, match="not a shard file name"):
         read_manifest(tmp_path)
+
+
+def test_compact_encodings_keep_every_value_and_shrink_the_file(tmp_path):
+    from pipeline.shards import StorageConfig
+
+    rng = np.random.default_rng(0)
+    docs = []
+    for k in range(20):
+        n = 500
+        ends = np.cumsum(rng.integers(1, 6, n)).astype(np.int32)
+        starts = np.r_[0, ends[:-1]].astype(np.int32)
+        losses = rng.gamma(2.0, 1.5, n).astype(np.float32)
+        losses[0] = np.nan
+        docs.append(ScoredDocument(f"d:{k}", "x" * int(ends[-1]), rng.integers(0, 32000, n).astype(np.int32), starts, ends, losses))
+    result = ShardResult(documents=docs)
+    sizes = {}
+    for name, storage in {"default": StorageConfig(), "compact": StorageConfig(encodings="compact", compression_level=9)}.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        sizes[name] = write_shard(folder, 0, result, {}, {}, "v", storage=storage)["bytes"]
+        table = pq.read_table(folder / "shard-000000.parquet")
+        assert table.column("starts").to_pylist() == [d.starts.tolist() for d in docs]
+        got = np.concatenate([np.asarray(x, np.float32) for x in table.column("losses").to_pylist()])
+        np.testing.assert_array_equal(got, np.concatenate([d.losses for d in docs]))
+    assert sizes["compact"] < 0.8 * sizes["default"], sizes
+
+
+@pytest.mark.parametrize("precision,rel", [("bfloat16", 2**-8), ("float16", 2**-11)])
+def test_loss_rounding_is_bounded_and_keeps_nan(precision, rel):
+    from pipeline.shards import round_losses
+
+    x = np.array([np.nan, 0.0, 1e-3, 0.7, 3.14159, 12.5, 30.0], dtype=np.float32)
+    y = round_losses(x, precision)
+    assert y.dtype == np.float32 and np.isnan(y[0])
+    np.testing.assert_allclose(y[1:], x[1:], rtol=rel, atol=1e-7)
+    assert (y[1:] != x[1:]).any(), "rounding must actually drop precision"
