@@ -55,8 +55,8 @@ class GuidedTrainer(Trainer):
         self.selection = selection
         self.selection_seed = seed
         self.loss_is_scaled_for_ga = False
-        self._sums = None
-        self._samples = [math.inf, -math.inf]
+        self._sums = None  # (len(_SUMS),) float64 on the device
+        self._samples = None  # (2,) first and last sample index since the last log, on the device
         self._micro = (-1, 0)  # (global step, micro-batch index within it)
         self._last_log_time = None
 
@@ -100,9 +100,10 @@ class GuidedTrainer(Trainer):
             stats.excess_loss * stats.n_mapped,
         ]).double().nan_to_num(nan=0.0)  # a mean over no token is NaN; its weight is 0
         self._sums = values if self._sums is None else self._sums + values
-        if "sample_index" in inputs:
-            idx = inputs["sample_index"]
-            self._samples = [min(self._samples[0], int(idx.min())), max(self._samples[1], int(idx.max()))]
+        idx = inputs["sample_index"].double()
+        span = torch.stack([idx.min(), idx.max()])
+        self._samples = span if self._samples is None else torch.stack(
+            [torch.minimum(self._samples[0], span[0]), torch.maximum(self._samples[1], span[1])])
 
     # ---- logging -----------------------------------------------------------------------------
 
@@ -112,17 +113,16 @@ class GuidedTrainer(Trainer):
         super().log(logs, start_time)
 
     def _selection_metrics(self) -> dict[str, float]:
-        sums = self.accelerator.reduce(self._sums, reduction="sum") if self.args.world_size > 1 else self._sums
-        s = dict(zip(_SUMS, sums.tolist()))
-        samples = torch.tensor(self._samples, device=self._sums.device, dtype=torch.float64)
+        sums, samples = self._sums, self._samples
         if self.args.world_size > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
             gathered = self.accelerator.gather(samples.unsqueeze(0))  # (world, 2)
             samples = torch.stack([gathered[:, 0].min(), gathered[:, 1].max()])
+        s = dict(zip(_SUMS, sums.tolist()))
         now = time.perf_counter()
         elapsed = now - self._last_log_time if self._last_log_time is not None else math.nan
         self._last_log_time = now
-        self._sums = None
-        self._samples = [math.inf, -math.inf]
+        self._sums = self._samples = None
         return {
             "loss_kept": _ratio(s["loss_kept"], s["n_kept"]),
             "loss_all": _ratio(s["loss_all"], s["n_valid"]),
@@ -139,12 +139,12 @@ class GuidedTrainer(Trainer):
 
     @property
     def tokens_per_step(self) -> int:
-        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * \
-            self.args.world_size * int(getattr(self.train_dataset.plan, "seq_len", 0))
+        a = self.args
+        return a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size * self.train_dataset.plan.seq_len
 
-    def _inner_training_loop(self, *args, **kwargs):
+    def train(self, *args, **kwargs):
         self._last_log_time = time.perf_counter()
-        return super()._inner_training_loop(*args, **kwargs)
+        return super().train(*args, **kwargs)
 
 
 def _ratio(total: float, count: float) -> float:

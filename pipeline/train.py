@@ -123,12 +123,13 @@ class TrainConfig:
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     use_cpu: bool = False
     ddp_backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
+    ddp_timeout: int = 7200  # seconds; ranks wait this long for the first one's token count pass
     torch_compile: bool = False
 
 
 # Train settings that do not change what is computed: they may differ on a resume.
 OPERATIONAL = ("logging_steps", "save_steps", "save_total_limit", "resume", "progress", "report_to",
-               "ddp_backend", "torch_compile")
+               "ddp_backend", "ddp_timeout", "torch_compile")
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,7 @@ def _resume_differences(job: TrainJobConfig, identity: dict, checkpoint: Path) -
         problems.append(f"{checkpoint} has no data_identity.json")
     else:
         problems += [f"data {d}" for d in iter_identity_differences(_without_paths(recorded_data), _without_paths(identity))]
-    return problems
+    return [p if len(p) <= 300 else p[:297] + "..." for p in problems]  # shard lists can be long
 
 
 def _without_paths(identity: dict) -> dict:
@@ -424,7 +425,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         adam_epsilon=t.adam_epsilon,
         max_grad_norm=t.max_grad_norm,
         **_precision(t),
-        gradient_checkpointing=job.student.gradient_checkpointing,
+        **({"gradient_checkpointing": True} if job.student.gradient_checkpointing else {}),
         torch_compile=t.torch_compile,
         logging_steps=t.logging_steps,
         save_strategy="steps",
@@ -437,6 +438,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         use_cpu=t.use_cpu,
         ddp_backend=t.ddp_backend,
         ddp_find_unused_parameters=False,
+        ddp_timeout=t.ddp_timeout,
         dataloader_num_workers=job.data.num_workers,
         dataloader_prefetch_factor=job.data.prefetch_factor if job.data.num_workers > 0 else None,
         dataloader_drop_last=True,
@@ -447,7 +449,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
 
 
 def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, callbacks):
-    from pipeline.guided_trainer import DataIdentityCallback, GuidedTrainer, JsonlMetricsCallback
+    from pipeline.guided_trainer import METRICS_NAME, DataIdentityCallback, GuidedTrainer, JsonlMetricsCallback
     from pipeline.student_data import collate_packed
 
     return GuidedTrainer(
@@ -456,7 +458,7 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, cal
         train_dataset=data.dataset,
         data_collator=collate_packed,
         processing_class=tokenizer,
-        callbacks=[JsonlMetricsCallback(Path(job.output_dir) / "metrics.jsonl"), DataIdentityCallback(identity),
+        callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), DataIdentityCallback(identity),
                    *(callbacks or [])],
         selection=job.loss.selection(),
         seed=job.train.seed,

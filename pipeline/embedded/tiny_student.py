@@ -35,6 +35,10 @@ UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 SPECIALS = (UNK, BOS, EOS)
 BYTE_PIECES = tuple(f"<0x{i:02X}>" for i in range(256))
 STAMP_NAME = "_BUILD.json"
+# TinyStudentSpec field -> LlamaConfig argument
+ARCHITECTURE_KEYS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                     "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                     "num_kv_heads": "num_key_value_heads", "context": "max_position_embeddings"}
 
 
 @dataclass(frozen=True)
@@ -111,19 +115,9 @@ def build_tiny_student(texts: Sequence[str], out_dir: str | os.PathLike, spec: T
     random.Random(spec.seed).shuffle(train_texts)
     tokenizer = train_student_tokenizer(train_texts, spec.vocab_size, spec.limit_alphabet)
     torch.manual_seed(spec.seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.context,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=None,
-    )
+    architecture = {hf_key: getattr(spec, key) for key, hf_key in ARCHITECTURE_KEYS.items()}
+    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=None, **architecture)
     model = LlamaForCausalLM(config)
 
     work = out_dir.with_name(out_dir.name + ".building")

@@ -1,0 +1,160 @@
+"""Rich tables and coloured text for the terminal; the stage prints what these return."""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.table import Table
+from rich.text import Text
+
+from pipeline.inspection.align_report import AlignReport
+from pipeline.inspection.dataset import DocumentRecord
+from pipeline.inspection.layout import LossScale, cut_pieces
+from pipeline.inspection.summary import DatasetSummary
+from pipeline.inspection.validate import ValidationReport
+from pipeline.inspection.vocab_overlap import VocabOverlap
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x != x else f"{100 * x:.2f}%"
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v:,}" for k, v in counts.items()) or "none"
+
+
+def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+# --------------------------------------------------------------------------------------------
+# Summary and one document
+# --------------------------------------------------------------------------------------------
+
+
+def summary_renderables(s: DatasetSummary) -> list:
+    status = "complete" if s.complete else f"partial: {s.shards_listed} of {s.shards_planned} planned shards"
+    q = s.quantiles
+    overview = _key_value_table(f"scored dataset {s.name}", [
+        ("folder", f"{s.folder} ({status})"),
+        ("teacher", f"{s.teacher.get('model', '?')} ({s.teacher.get('dtype', '?')}, BOS id {s.teacher.get('bos_id')})"),
+        ("documents", f"{s.documents:,} stored ({s.empty_documents:,} with zero tokens)"),
+        ("teacher tokens", f"{s.tokens:,}"),
+        ("bytes on disk", f"{s.bytes_on_disk:,} ({s.bytes_per_token:.2f} bytes per token)"),
+        ("loss mean", f"{s.loss_mean:.4f} nats (NaN ignored; min {s.loss_min:.4f}, max {s.loss_max:.4f})"),
+        ("loss quantiles", ", ".join(f"p{100 * k:g} {v:.3f}" for k, v in q.items())
+         + f"  (within {s.histogram.bin_width:g} nats)"),
+        ("NaN losses", f"{s.losses_nan:,} ({_pct(s.nan_share)} of tokens)"),
+        ("infinite losses", f"{s.losses_inf:,}" + ("  <- breaks the contract: run command=validate" if s.losses_inf else "")),
+        ("skipped (not stored)", _reasons(s.skipped)),
+        ("stored with zero tokens", _reasons(s.zero_token)),
+        ("scored, noted", _reasons(s.noted)),
+    ])
+    shards = Table(title="per shard", title_justify="left")
+    for name in ("file", "documents", "tokens", "bytes", "bytes/token", "mean loss", "NaN share", "skipped"):
+        shards.add_column(name, justify="left" if name == "file" else "right")
+    for r in s.per_shard.iter_rows(named=True):
+        shards.add_row(r["file"], f"{r['documents']:,}", f"{r['tokens']:,}", f"{r['bytes']:,}",
+                       f"{r['bytes_per_token']:.2f}" if r["tokens"] else "n/a",
+                       f"{r['mean_loss']:.4f}" if r["mean_loss"] is not None else "n/a",
+                       _pct(r["nan_share"]) if r["nan_share"] is not None else "n/a", f"{r['skipped']:,}")
+    out = [overview, shards]
+    for title, frame in ((f"highest mean loss (documents with >= {s.min_tokens} tokens)", s.highest),
+                         (f"lowest mean loss (documents with >= {s.min_tokens} tokens)", s.lowest)):
+        table = Table(title=title, title_justify="left")
+        for name in ("doc_id", "file", "tokens", "mean loss"):
+            table.add_column(name, justify="right" if name in ("tokens", "mean loss") else "left")
+        for r in frame.iter_rows(named=True):
+            table.add_row(r["doc_id"], r["file"], f"{r['tokens']:,}", f"{r['mean_loss']:.4f}")
+        out.append(table)
+    return out
+
+
+def document_text(record: DocumentRecord, scale: LossScale, max_chars: int = 3000) -> Text:
+    """The document's text, each teacher token on the background colour of its loss bucket."""
+    text = record.text[:max_chars]
+    pieces = cut_pieces(len(text), np.minimum(record.starts, len(text)), np.minimum(record.ends, len(text)), record.losses)
+    buckets = scale.bucket(pieces.loss)
+    out = Text()
+    for a, b, k in zip(pieces.starts.tolist(), pieces.ends.tolist(), buckets.tolist()):
+        out.append(text[a:b], style=f"{scale.text_colour(k)} on {scale.colour(k)}")
+    if len(record.text) > max_chars:
+        out.append(f"\n... ({len(record.text) - max_chars:,} more characters; max_chars={max_chars})", style="italic")
+    return out
+
+
+def legend(scale: LossScale) -> Text:
+    out = Text("teacher loss (nats): ")
+    for k, label in enumerate(scale.labels()):
+        out.append(f" {label} ", style=f"{scale.text_colour(k)} on {scale.colour(k)}")
+    out.append(" NaN ", style=f"black on {scale.colour(-1)}")
+    return out
+
+
+def document_table(record: DocumentRecord, top: int = 15) -> Table:
+    """The document's highest-loss teacher tokens."""
+    order = np.argsort(-np.nan_to_num(record.losses.astype(np.float64), nan=-np.inf))[:top]
+    table = Table(title=f"highest-loss teacher tokens of {record.doc_id}", title_justify="left")
+    for name in ("#", "id", "span", "text", "loss"):
+        table.add_column(name, justify="right" if name in ("#", "id", "loss") else "left")
+    for k in order.tolist():
+        a, b = int(record.starts[k]), int(record.ends[k])
+        table.add_row(str(k), str(int(record.ids[k])), f"({a},{b})", repr(record.text[a:b]), f"{record.losses[k]:.3f}")
+    return table
+
+
+# --------------------------------------------------------------------------------------------
+# Validation, overlap, alignment
+# --------------------------------------------------------------------------------------------
+
+
+def validation_renderables(report: ValidationReport, max_lines: int | None = None) -> list:
+    lines = [str(p) for p in report.problems]
+    shown = lines if max_lines is None else lines[:max_lines]
+    out: list = [Text(line, style="red" if line.startswith("error") else "yellow") for line in shown]
+    if len(shown) < len(lines):
+        out.append(Text(f"... and {len(lines) - len(shown):,} more (all in validation.json)", style="italic"))
+    verdict = "OK" if report.ok else "FAILED"
+    out.append(Text(f"validate {verdict}: {report.shards_checked} shards, {report.rows_checked:,} rows; "
+                    f"{len(report.errors)} errors, {len(report.warnings)} warnings", style="bold green" if report.ok else "bold red"))
+    return out
+
+
+def overlap_table(o: VocabOverlap) -> Table:
+    table = Table(title=f"vocabulary overlap: teacher {o.teacher.source} vs student {o.student.source}", title_justify="left")
+    for name in ("view", "teacher", "student", "shared", "of teacher", "of student", "IoU"):
+        table.add_column(name, justify="left" if name == "view" else "right")
+    for view, s in (("raw token strings", o.raw), ("normalised strings", o.normalised), ("special tokens (apart)", o.special)):
+        table.add_row(view, f"{s.teacher:,}", f"{s.student:,}", f"{s.shared:,}", _pct(s.share_of_teacher),
+                      _pct(s.share_of_student), _pct(s.iou))
+    table.caption = (f"teacher: {o.teacher.kind}, {len(o.teacher.tokens):,} tokens compared, {len(o.teacher.special)} special "
+                     f"and {len(o.teacher.added):,} other added left out; student: {o.student.kind}, "
+                     f"{len(o.student.tokens):,} compared, {len(o.student.special)} special and {len(o.student.added):,} added left out")
+    return table
+
+
+def align_renderables(r: AlignReport) -> list:
+    d = r.to_dict()
+    tok = d["token_level"]
+    scope = f"first {r.documents:,} documents (limit_docs={r.limit_docs})" if r.limit_docs else f"all {r.documents:,} documents"
+    overview = _key_value_table(f"alignment of student {r.student} with the teacher tokens", [
+        ("dataset", f"{r.dataset} ({scope})"),
+        ("tokens", f"{d['student_tokens']:,} student, {d['teacher_tokens']:,} teacher "
+                   f"({d['teacher_tokens'] / max(d['student_tokens'], 1):.3f} teacher per student)"),
+        ("mapped share", f"{_pct(tok['mapped_share'])} of student tokens (aggregation {r.how})"),
+        ("IoS (token level)", f"mean {tok['ios_mean']:.4f}; {_pct(tok['ios_full_share'])} of mapped tokens fully covered"),
+        ("IoU (token level)", f"per token mean {tok['iou_mean']:.4f}; per document (METHOD 2.1) mean {tok['doc_iou_mean']:.4f}"),
+        ("teacher tokens per student token", ", ".join(f"{k}: {v:,}" for k, v in d["teacher_per_student"].items())
+         + f" (mean {d['mean_teacher_per_mapped_student']:.3f} over mapped)"),
+        ("student tokens per teacher token", ", ".join(f"{k}: {v:,}" for k, v in d["student_per_teacher"].items())),
+        ("per-document mapped share", ", ".join(f"{k} {_pct(v)}" for k, v in d["doc_mapped_share"].items())),
+    ])
+    chunks = Table(title="token-level vs chunk-level alignment", title_justify="left")
+    for name in ("alignment", "mapped share", "IoS mean", "IoU mean", "fully covered"):
+        chunks.add_column(name, justify="left" if name == "alignment" else "right")
+    chunks.add_row("token level", _pct(tok["mapped_share"]), f"{tok['ios_mean']:.4f}", f"{tok['iou_mean']:.4f}", _pct(tok["ios_full_share"]))
+    for n, q in d["chunk_level"].items():
+        chunks.add_row(f"{n} chunks", _pct(q["mapped_share"]), f"{q['ios_mean']:.4f}", f"{q['iou_mean']:.4f}", _pct(q["ios_full_share"]))
+    return [overview, chunks]
