@@ -130,6 +130,7 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
     """Everything that can fail on bad input, done before Ray starts."""
     sources = resolve_sources(cfg.corpus)
     shards = plan_shards(sources, cfg.corpus.rows_per_shard, cfg.corpus.limit_docs)
+    _check_local_paths(cfg.teacher)
     tokenizer = load_tokenizer(
         cfg.teacher.tokenizer or cfg.teacher.model,
         revision=cfg.teacher.revision,
@@ -159,6 +160,18 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         "corpus": corpus_identity(cfg.corpus, sources, shards),
     }
     return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings)
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
+
+
+def _check_local_paths(teacher: TeacherConfig) -> None:
+    """A teacher given as a local path must exist; anything else is taken as a hub id."""
+    for key in ("model", "tokenizer"):
+        value = getattr(teacher, key)
+        if value and _looks_local(value) and not os.path.exists(os.path.expanduser(value)):
+            raise FileNotFoundError(f"teacher.{key}: no such local file or folder: {value}")
 
 
 def _context_length(teacher: TeacherConfig) -> int:

@@ -41,6 +41,29 @@ def raise_if(problems: list[str]) -> None:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
+USER_ERRORS = (ConfigError, FileNotFoundError, PermissionError, ValueError, RuntimeError)
+
+
+def exit_on_user_error(fn):
+    """Known input/config problems end the stage with one clear line and exit code 2, no traceback
+    (set VOCAGNO_TRACEBACK=1 to see it)."""
+    import functools
+    import os
+    import sys
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as exc:
+            if os.environ.get("VOCAGNO_TRACEBACK"):
+                raise
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper
+
+
 def quiet_libraries() -> None:
     for name in ("transformers", "datasets", "ray", "filelock", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -327,7 +327,7 @@ COMMANDS: dict[str, Callable[[Context], int]] = {
 def run(cfg: DictConfig, console: Console | None = None) -> int:
     """Check the config, run the command; returns the exit status (1: validation found errors)."""
     check_config(cfg)
-    return COMMANDS[cfg.command](Context(cfg, console or Console()))
+    return COMMANDS[cfg.command](Context(cfg, console or Console(soft_wrap=True)))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="inspect")

@@ -20,7 +20,7 @@ from pipeline.score_job import JobSummary, PoolConfig, RayConfig, ScoreJobConfig
 from pipeline.scoring.base import ScorerConfig
 from pipeline.shards import StorageConfig
 from pipeline.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
-from stages.common import ConfigError, plain, quiet_libraries, raise_if, typed
+from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, raise_if, typed
 
 log = logging.getLogger("score_teacher")
 
@@ -107,6 +107,7 @@ def print_summary(s: JobSummary) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="score_teacher")
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)

@@ -200,7 +200,28 @@ def test_corrupt_or_missing_input_fails_before_ray_naming_the_file(micro_teacher
     pq.write_table(pa.table({"content": ["x"]}), wrong_column)
     with pytest.raises(CorpusError, match="no column 'text'"):
         prepare(job(micro_teacher, [wrong_column], tmp_path / "out"))
+    missing_teacher = replace(job(micro_teacher, [wrong_column], tmp_path / "out"),
+                              teacher=TeacherConfig(name="t", model=str(tmp_path / "no-such-teacher")))
+    with pytest.raises(CorpusError, match="no column"):  # the corpus is checked first
+        prepare(missing_teacher)
     assert not (tmp_path / "out").exists(), "nothing is written before the input is known to be readable"
+
+
+def test_missing_local_teacher_is_named(micro_corpus, tmp_path):
+    cfg = job(tmp_path / "no-such-teacher", micro_corpus[:1], tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="teacher.model: no such local file or folder"):
+        prepare(cfg)
+
+
+def test_stage_reports_user_errors_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "stages.score_teacher", "teacher=llemma-7b",
+                          f"teacher.model={tmp_path}/missing", f"hydra.run.dir={tmp_path}/logs"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == f"error: teacher.model: no such local file or folder: {tmp_path}/missing"
 
 
 def test_hub_source_reads_through_datasets(micro_teacher, micro_corpus, tmp_path, monkeypatch):

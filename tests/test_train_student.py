@@ -224,9 +224,10 @@ def test_all_config_problems_are_reported_at_once():
     assert "loss.mode" in message and "loss.ratio" in message and "global_batch_tokens" in message
 
 
-def stage_command(tiny_student: Path, scored: Path, out: Path, steps: int) -> list[str]:
+def stage_command(scored: Path, out: Path, steps: int) -> list[str]:
+    """The stage with the embedded tiny student, built (once, under a file lock) from a 200-document corpus."""
     return [
-        "-m", "stages.train_student", "student.embedded=false", f"student.model={tiny_student}",
+        "-m", "stages.train_student", f"artifacts_dir={out}/artifacts", "student.build.corpus_docs=200",
         "student.seq_len=32", f"data.folders=[{scored}]", f"data.cache_dir={out}/lengths", "data.num_workers=1",
         "train.micro_batch_size=2", "train.gradient_accumulation_steps=1", f"train.max_steps={steps}",
         "train.logging_steps=1", "train.save_steps=2", "train.use_cpu=true", "train.report_to=[]",
@@ -235,9 +236,10 @@ def stage_command(tiny_student: Path, scored: Path, out: Path, steps: int) -> li
 
 
 @pytest.mark.slow
-def test_make_train_student_entry_point(tiny_student, micro_scored, tmp_path):
-    """``python -m stages.train_student`` with overrides: trains, prints the summary, writes summary.json."""
-    result = subprocess.run([sys.executable, *stage_command(tiny_student, micro_scored, tmp_path, 3)],
+def test_make_train_student_entry_point(micro_scored, tmp_path):
+    """``python -m stages.train_student`` with overrides: builds the embedded student, trains, prints the
+    summary, writes summary.json."""
+    result = subprocess.run([sys.executable, *stage_command(micro_scored, tmp_path, 3)],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "train-student" in result.stdout and "final model" in result.stdout
@@ -245,10 +247,10 @@ def test_make_train_student_entry_point(tiny_student, micro_scored, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_on_gloo_with_torchrun(tiny_student, micro_scored, tmp_path):
+def test_two_processes_on_gloo_with_torchrun(micro_scored, tmp_path):
     """Distributed data parallel on CPU: 2 processes, gloo; each trains its own half of every batch."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29731",
-               *stage_command(tiny_student, micro_scored, tmp_path, 4), "train.ddp_backend=gloo"]
+               *stage_command(micro_scored, tmp_path, 4), "train.ddp_backend=gloo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
