@@ -154,11 +154,21 @@ def _count_shard(job: tuple[ShardInfo, object]) -> np.ndarray | str:
     try:
         for group in range(len(shard.row_group_rows)):
             table = read_row_group(shard, group)  # all columns: decoding them all validates the file
-            texts = table.column("text").to_pylist()
-            counts += [len(e) for e in encode_batch(tokenizer, texts)]
+            counts += count_tokens(tokenizer, table.column("text").to_pylist())
     except BadShardError as exc:
         return str(exc)
     return np.asarray(counts, dtype=np.int32)
+
+
+def count_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
+    """``len(encode_batch(tokenizer, texts)[i])`` without the offsets (4x faster): the same call of
+    the same tokenizer, special-token strings kept as text. The data-loader workers check every
+    document's length against these counts."""
+    if not texts:
+        return []
+    out = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True,
+                    return_attention_mask=False, return_token_type_ids=False)
+    return [len(ids) for ids in out["input_ids"]]
 
 
 def _cache_file(folder: Path, shard: ShardInfo) -> Path | None:

@@ -23,13 +23,14 @@ accumulation steps follow for the current world size, or ``gradient_accumulation
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pipeline.align import AGGREGATIONS
@@ -125,11 +126,12 @@ class TrainConfig:
     ddp_backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
     ddp_timeout: int = 7200  # seconds; ranks wait this long for the first one's token count pass
     torch_compile: bool = False
+    cpu_threads: int | None = None  # torch intra-op threads while training (None: torch's default)
 
 
 # Train settings that do not change what is computed: they may differ on a resume.
 OPERATIONAL = ("logging_steps", "save_steps", "save_total_limit", "resume", "progress", "report_to",
-               "ddp_backend", "ddp_timeout", "torch_compile")
+               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads")
 
 
 @dataclass(frozen=True)
@@ -246,20 +248,42 @@ def run_training(job: TrainJobConfig, callbacks: list | None = None) -> TrainSum
         if args.process_index == 0:
             prepare_run_folder(job, checkpoint)
 
-    model = load_student(job.student, len(tokenizer))
-    trainer = _trainer(job, args, model, tokenizer, data, identity, callbacks)
-    start_step = _checkpoint_step(checkpoint)
-    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks)
     final = save_final(trainer, job, identity)
+    return _summary(job, trainer, data, checkpoint, start_step, tokens_per_step, final, time.perf_counter() - t0)
+
+
+def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, data: StudentData, identity: dict,
+               callbacks: list | None):
+    """Load the student and train it from ``checkpoint`` (or from scratch) to ``args.max_steps``.
+
+    A checkpoint already at ``max_steps`` is a finished run: its weights are loaded and nothing is
+    trained (the HF Trainer would otherwise train one step past the end). Returns the trainer and
+    the step it started from.
+    """
+    start_step = _checkpoint_step(checkpoint)
+    finished = start_step >= args.max_steps
+    student = replace(job.student, model=checkpoint, revision=None) if finished else job.student
+    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, callbacks)
+    if finished:
+        log.info("%s is at step %d of %d: nothing to train", checkpoint, start_step, args.max_steps)
+        trainer.state.log_history = _trainer_state(checkpoint).get("log_history", [])
+        trainer.state.global_step = start_step
+    else:
+        with _cpu_threads(job.train.cpu_threads):
+            trainer.train(resume_from_checkpoint=checkpoint)
+    return trainer, start_step
+
+
+def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per_step, final, seconds) -> TrainSummary:
+    steps = trainer.state.global_step
     return TrainSummary(
-        output_dir=job.output_dir, final_model=str(final), steps=trainer.state.global_step,
-        resumed_from=checkpoint, tokens_per_step=tokens_per_step,
-        tokens_trained=(trainer.state.global_step - start_step) * tokens_per_step,
-        seconds=time.perf_counter() - t0,
+        output_dir=job.output_dir, final_model=str(final), steps=steps, resumed_from=checkpoint,
+        tokens_per_step=tokens_per_step, tokens_trained=(steps - start_step) * tokens_per_step, seconds=seconds,
         data={**data.plan.summary(), "alignment": data.alignment.method, "aggregate": data.alignment.aggregate,
               "shards_used": len(data.scored.shards), "shards_skipped": data.scored.skipped,
               "teacher": data.scored.teacher.get("teacher", {}).get("name")},
-        last_log=_last_train_log(trainer),
+        last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
     )
 
 
@@ -367,11 +391,14 @@ def prepare_run_folder(job: TrainJobConfig, checkpoint: str | None) -> None:
         write_json_atomic(out / RUN_NAME, {"recipe": job.recipe(), "output_dir": str(out)})
 
 
+def _trainer_state(checkpoint: str | None) -> dict:
+    return json.loads((Path(checkpoint) / "trainer_state.json").read_text()) if checkpoint else {}
+
+
 def _checkpoint_step(checkpoint: str | None) -> int:
-    if checkpoint is None:
-        return 0
-    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
-    return int(state.get("global_step", 0))
+    return int(_trainer_state(checkpoint).get("global_step", 0))
+
+
 
 
 # ---- model and trainer ----------------------------------------------------------------------
@@ -394,6 +421,22 @@ def load_student(student: StudentConfig, vocab_size: int):
         raise ValueError(f"student.seq_len {student.seq_len} exceeds the model's context {context}")
     model.config.use_cache = False
     return model
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int | None):
+    """``torch.set_num_threads(n)`` for the duration (None: leave it). On a shared CPU, intra-op
+    threads beyond the idle cores make every step many times slower (OpenMP threads wait on each
+    other); 1 is often the fastest there."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _precision(train: TrainConfig) -> dict:
@@ -474,10 +517,3 @@ def save_final(trainer, job: TrainJobConfig, identity: dict) -> Path:
     if trainer.is_world_process_zero():
         write_data_identity(final, identity)
     return final
-
-
-def _last_train_log(trainer) -> dict:
-    for record in reversed(trainer.state.log_history):
-        if "loss_kept" in record:
-            return record
-    return {}

@@ -26,7 +26,7 @@ from pipeline.train import (
     run_training,
     validate,
 )
-from stages.common import ConfigError, plain, quiet_libraries, raise_if, typed
+from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, raise_if, typed
 
 log = logging.getLogger("train_student")
 
@@ -118,6 +118,7 @@ def print_summary(s: TrainSummary) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_student")
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)

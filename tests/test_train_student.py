@@ -46,7 +46,7 @@ def make_job(model: Path, scored: Path, out: Path, steps: int = 4, **changes) ->
     train = TrainConfig(**{
         "micro_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": steps, "learning_rate": 3e-3,
         "min_learning_rate": 3e-4, "warmup_steps": 1, "logging_steps": 1, "save_steps": 2, "report_to": [],
-        "progress": False, "use_cpu": True, **changes})
+        "progress": False, "use_cpu": True, "cpu_threads": 1, **changes})
     return TrainJobConfig(student=StudentConfig(name="t", model=str(model), seq_len=32), data=data, loss=loss,
                           train=train, output_dir=str(out))
 
@@ -116,6 +116,10 @@ def test_resumed_run_sees_the_same_batches_and_losses(tiny_student, micro_scored
     a, b = metrics(Path(straight.output_dir)), metrics(Path(interrupted.output_dir))
     assert [r["step"] for r in b] == list(range(1, steps + 1))
     assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
+
+    again = run_training(interrupted)  # a finished run: nothing more is trained
+    assert again.steps == steps and again.tokens_trained == 0 and again.last_log["step"] == steps
+    assert metrics(Path(interrupted.output_dir)) == b
 
 
 def test_resume_is_refused_when_the_recipe_or_the_data_change(tiny_student, micro_scored, tmp_path):
@@ -230,7 +234,7 @@ def stage_command(scored: Path, out: Path, steps: int) -> list[str]:
         "-m", "stages.train_student", f"artifacts_dir={out}/artifacts", "student.build.corpus_docs=200",
         "student.seq_len=32", f"data.folders=[{scored}]", f"data.cache_dir={out}/lengths", "data.num_workers=1",
         "train.micro_batch_size=2", "train.gradient_accumulation_steps=1", f"train.max_steps={steps}",
-        "train.logging_steps=1", "train.save_steps=2", "train.use_cpu=true", "train.report_to=[]",
+        "train.logging_steps=1", "train.save_steps=2", "train.use_cpu=true", "train.report_to=[]", "train.cpu_threads=1",
         f"output_dir={out}/run", f"hydra.run.dir={out}/logs",
     ]
 
@@ -244,6 +248,10 @@ def test_make_train_student_entry_point(micro_scored, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "train-student" in result.stdout and "final model" in result.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+    changed = subprocess.run([sys.executable, *stage_command(micro_scored, tmp_path, 4)],
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert changed.returncode == 2 and "error: cannot resume" in changed.stderr  # one line, no traceback
+    assert "train.max_steps: 3 != 4" in changed.stderr and "Traceback" not in changed.stderr
 
 
 @pytest.mark.slow
