@@ -20,7 +20,11 @@ Commands (``command=``):
   share, teacher tokens per student token and chunk-level IoU/IoS against the chunk count.
 
 Outputs go to ``out_dir`` (default ``<path>/inspect``; ``outputs/inspect/vocab-overlap`` for an
-overlap without a dataset); every file written is printed.
+overlap without a dataset); every file written is printed. The config lives in a folder of its own,
+``conf/inspect/``, so that ``teacher=`` and ``student=`` are plain values rather than the config
+groups ``conf/teacher/`` and ``conf/student/`` of the other stages. User errors (a folder that is
+not a dataset, an unknown document, a bad config) end with one line and exit status 2; validation
+problems with exit status 1.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 
 from pipeline.align import AGGREGATIONS
-from stages.common import ConfigError, plain, quiet_libraries, raise_if
+from stages.common import exit_on_user_error, plain, quiet_libraries, raise_if
 
 log = logging.getLogger("inspect")
 
@@ -79,10 +84,10 @@ def check_config(cfg: DictConfig) -> None:
 
 def tokenizer_slug(source: str) -> str:
     """A file-name-safe name for a tokenizer source: ``org/name`` -> ``org--name``,
-    ``../x/ggml-vocab-llama-spm.gguf`` -> ``ggml-vocab-llama-spm``."""
+    ``../x/ggml-vocab-llama-spm.gguf`` -> ``ggml-vocab-llama-spm``, ``./tok/`` -> ``tok``."""
     path = Path(source)
-    if path.exists():
-        name = path.name if path.is_dir() else re.sub(r"\.(gguf|model|json)$", "", path.name)
+    if path.suffix in (".gguf", ".model", ".json") or source.startswith(("/", ".", "~")) or path.is_dir():
+        name = re.sub(r"\.(gguf|model|json)$", "", path.name)
     else:
         name = source.strip("/").replace("/", "--")
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "tokenizer"
@@ -91,7 +96,7 @@ def tokenizer_slug(source: str) -> str:
 def _local(source: str | None) -> str | None:
     """A tokenizer source made absolute when it names a local file or folder (hub ids untouched)."""
     if source and Path(to_absolute_path(source)).exists():
-        return to_absolute_path(source)
+        return str(Path(to_absolute_path(source)).resolve())
     return source
 
 
@@ -114,9 +119,10 @@ def write_json(path: Path, obj, console: Console) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(_jsonable(obj), indent=1, ensure_ascii=False) + "\n")
     except OSError as exc:
-        console.print(f"[yellow]could not write {path} ({exc}); set out_dir=<a writable folder>[/yellow]")
+        problem = escape(f"could not write {path} ({exc}); set out_dir=<a writable folder>")
+        console.print(f"[yellow]{problem}[/yellow]")
         return None
-    console.print(f"wrote {path}")
+    console.print(f"wrote {path}", markup=False)
     return path
 
 
@@ -126,7 +132,7 @@ class Context:
     def __init__(self, cfg: DictConfig, console: Console):
         self.cfg = cfg
         self.console = console
-        self.path = Path(to_absolute_path(cfg.path)) if cfg.path else None
+        self.path = Path(to_absolute_path(cfg.path)).resolve() if cfg.path else None
         if cfg.out_dir:
             self.out_dir = Path(to_absolute_path(cfg.out_dir))
         elif self.path is not None:
@@ -191,7 +197,8 @@ def cmd_summary(ctx: Context) -> int:
     if ctx.cfg.summary.show_document and summary.documents:
         record = ctx.dataset.find_document(ctx.cfg.doc, min_tokens=0 if ctx.cfg.doc else 1)
         scale = ctx.loss_scale()
-        ctx.console.print(f"\n[bold]{record.doc_id}[/bold] ({record.file} row {record.row}, {len(record):,} teacher tokens)")
+        where = f"({record.file} row {record.row}, {len(record):,} teacher tokens)"
+        ctx.console.print(f"\n[bold]{escape(record.doc_id)}[/bold] {where}")
         ctx.console.print(terminal.legend(scale))
         ctx.console.print(terminal.document_text(record, scale, ctx.cfg.summary.max_chars))
         ctx.console.print(terminal.document_table(record))
@@ -204,6 +211,8 @@ def _special_ids(ctx: Context, manifest_identity: dict) -> list[int]:
     if setting != "auto":
         return [int(i) for i in setting]
     source = (manifest_identity.get("teacher") or {}).get("tokenizer")
+    if not manifest_identity:
+        return []  # no manifest: validate_dataset reports it
     if not source or not Path(source).exists():
         ctx.console.print("[dim]validate: the teacher tokenizer is not local; every empty text slice counts as an error[/dim]")
         return []
@@ -237,7 +246,7 @@ def cmd_vocab_overlap(ctx: Context) -> int:
     overlap = vocab_overlap(load_vocabulary(teacher), load_vocabulary(student))
     ctx.console.print(terminal.overlap_table(overlap))
     for key, values in overlap.examples.items():
-        ctx.console.print(f"[dim]{key.replace('_', ' ')}:[/dim] " + ", ".join(repr(v) for v in values[:8]), soft_wrap=True)
+        ctx.console.print(f"[dim]{key.replace('_', ' ')}:[/dim] " + escape(", ".join(repr(v) for v in values[:8])))
     name = f"{tokenizer_slug(teacher)}--vs--{tokenizer_slug(student)}.json"
     write_json(ctx.out_dir / "vocab-overlap" / name if ctx.path else ctx.out_dir / name, overlap.to_dict(), ctx.console)
     return 0
@@ -252,8 +261,8 @@ def cmd_align_report(ctx: Context) -> int:
     slug = tokenizer_slug(ctx.cfg.student)
     write_json(ctx.out_dir / "align" / f"{slug}.json", report.to_dict(), ctx.console)
     if ctx.cfg.align.write_aligned:
-        ctx.console.print(f"wrote aligned student tokens to {ctx.out_dir / 'aligned' / slug}/"
-                          + (f" (first {report.documents:,} documents only: align.limit_docs)" if ctx.cfg.align.limit_docs else ""))
+        partial = f" (first {report.documents:,} documents only: align.limit_docs)" if ctx.cfg.align.limit_docs else ""
+        ctx.console.print(f"wrote aligned student tokens to {ctx.out_dir / 'aligned' / slug}/{partial}", markup=False)
     return 0
 
 
@@ -275,10 +284,11 @@ def cmd_html(ctx: Context) -> int:
     from pipeline.inspection.html import StudentView, document_section, page
     from pipeline.tokenization import encode
 
+    documents = _html_documents(ctx)  # first: an unknown doc id fails before the dataset-wide pass
     scale = ctx.loss_scale()
     tokenizer = ctx.student_tokenizer() if ctx.cfg.student else None
     sections = []
-    for heading, record in _html_documents(ctx):
+    for heading, record in documents:
         view = None
         if tokenizer is not None:
             encoding = encode(tokenizer, record.text)
@@ -294,7 +304,7 @@ def cmd_html(ctx: Context) -> int:
     path = ctx.out_dir / "html" / f"{name}.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page(f"teacher losses: {ctx.dataset.name}", sections, scale, meta), encoding="utf-8")
-    ctx.console.print(f"wrote {path}")
+    ctx.console.print(f"wrote {path}", markup=False)
     return 0
 
 
@@ -310,7 +320,7 @@ def cmd_plots(ctx: Context) -> int:
                     plots.teacher_per_student(report, sub / "teacher_per_student.png"),
                     plots.chunk_quality(report, sub / "chunk_quality.png")]
     for path in written:
-        ctx.console.print(f"wrote {path}")
+        ctx.console.print(f"wrote {path}", markup=False)
     return 0
 
 
@@ -330,16 +340,11 @@ def run(cfg: DictConfig, console: Console | None = None) -> int:
     return COMMANDS[cfg.command](Context(cfg, console or Console(soft_wrap=True)))
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="inspect")
+@hydra.main(version_base="1.3", config_path="../conf/inspect", config_name="inspect")
+@exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    from storage_schemas import ContractError
-
     quiet_libraries()
-    try:
-        status = run(cfg)
-    except (ConfigError, ContractError, FileNotFoundError, KeyError) as exc:
-        Console(stderr=True).print(f"[red]inspect: {exc}[/red]")
-        status = 2
+    status = run(cfg)
     if status:
         raise SystemExit(status)
 

@@ -24,6 +24,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.teacher import ScoredDocument
 from storage_schemas import read_manifest
 
 ENGINE = "streaming"  # polars' streaming engine: bounded memory for scans, explodes and group-bys
@@ -41,18 +42,16 @@ POLARS_SCHEMA = pl.Schema(
 )
 
 
-@dataclass(frozen=True)
-class DocumentRecord:
-    """One stored document: teacher token ids, spans and losses as numpy arrays."""
+class DocumentNotFoundError(ValueError):
+    """No document with the requested id among the shards the manifest lists."""
 
-    doc_id: str
-    text: str
-    ids: np.ndarray  # (M,) int32
-    starts: np.ndarray  # (M,) int32
-    ends: np.ndarray  # (M,) int32
-    losses: np.ndarray  # (M,) float32, NaN where nothing predicted the token
-    file: str  # shard file name
-    row: int  # row inside that shard
+
+@dataclass
+class DocumentRecord(ScoredDocument):
+    """One stored document (teacher token ids, spans and losses as numpy arrays) and where it is."""
+
+    file: str = ""  # shard file name
+    row: int = -1  # row inside that shard
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -107,7 +106,7 @@ class ScoredDataset:
         """The document ``doc_id``, or (``None``) the first one with at least ``min_tokens`` tokens.
 
         Shards are searched in order; Parquet statistics let the reader skip row groups that
-        cannot hold the id. ``KeyError`` if there is no such document.
+        cannot hold the id. :class:`DocumentNotFoundError` if there is no such document.
         """
         for path in self.shard_paths:
             frame = pl.scan_parquet(str(path)).with_row_index("row")
@@ -119,7 +118,7 @@ class ScoredDataset:
             if found.height:
                 return _record_from_row(found.row(0, named=True), path.name)
         wanted = f"document {doc_id!r}" if doc_id is not None else f"a document with >= {min_tokens} tokens"
-        raise KeyError(f"{self.folder}: no {wanted} in the shards listed by the manifest")
+        raise DocumentNotFoundError(f"{self.folder}: no {wanted} in the shards listed by the manifest")
 
     def iter_documents(self, limit: int | None = None, batch_rows: int = 256) -> Iterator[DocumentRecord]:
         """Documents in dataset order, at most ``limit``; memory is one record batch at a time."""

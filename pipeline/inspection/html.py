@@ -74,64 +74,89 @@ def _meta_table(rows: list[tuple[str, str]]) -> str:
     return f'<table class="meta">{body}</table>'
 
 
-def document_section(
-    record: DocumentRecord, scale: LossScale, student: StudentView | None = None,
-    max_chars: int = 20000, heading: str | None = None,
-) -> str:
-    """One document as an HTML fragment (a heading, its numbers and the coloured text)."""
-    text = record.text[:max_chars]
-    n = len(text)
-    t_keep = record.starts < n  # teacher tokens that start inside the shown text
-    t_starts, t_ends = record.starts[t_keep], np.minimum(record.ends[t_keep], n)
-    t_ids, t_losses = record.ids[t_keep], record.losses[t_keep]
-    spans = []
-    if student is not None:
-        s_keep = student.encoding.starts < n
-        s_starts, s_ends = student.encoding.starts[s_keep], np.minimum(student.encoding.ends[s_keep], n)
-        s_index = np.flatnonzero(s_keep)
-        spans.append((s_starts, s_ends))
-    pieces = cut_pieces(n, t_starts, t_ends, t_losses, *spans)
-    buckets = scale.bucket(pieces.loss)
-    t_cover = pieces.covering(t_starts, t_ends)
-    s_cover = pieces.covering(s_starts, s_ends) if student is not None else [[] for _ in range(len(pieces))]
-    teacher_starts = set(t_starts.tolist())
+@dataclass(frozen=True)
+class _Shown:
+    """One tokenization clipped to the shown text: original indices, spans, and a tooltip line each."""
 
-    def teacher_note(j: int) -> str:
-        a, b = int(t_starts[j]), int(t_ends[j])
-        return f"teacher #{j} id {int(t_ids[j])} {text[a:b]!r} ({a},{b}) loss {float(t_losses[j]):.3f}"
+    index: np.ndarray  # (K,) indices into the full tokenization
+    starts: np.ndarray  # (K,)
+    ends: np.ndarray  # (K,) clipped to the shown text
+    notes: list[str]
 
-    def student_note(k: int) -> str:
-        i = int(s_index[k])
+    @classmethod
+    def clip(cls, starts, ends, n: int, note) -> "_Shown":
+        index = np.flatnonzero(np.asarray(starts) < n)  # tokens that start inside the shown text
+        clipped = np.minimum(np.asarray(ends)[index], n)
+        return cls(index, np.asarray(starts)[index], clipped, [note(int(i)) for i in index])
+
+
+def _teacher_tokens(record: DocumentRecord, n: int) -> _Shown:
+    def note(j: int) -> str:
+        a, b = int(record.starts[j]), int(record.ends[j])
+        return f"teacher #{j} id {int(record.ids[j])} {record.text[a:b]!r} ({a},{b}) loss {float(record.losses[j]):.3f}"
+
+    return _Shown.clip(record.starts, record.ends, n, note)
+
+
+def _student_tokens(student: StudentView, n: int) -> _Shown:
+    enc = student.encoding
+
+    def note(i: int) -> str:
         loss = "" if student.teacher_loss is None else f" L_t({student.how}) {float(student.teacher_loss[i]):.3f}"
-        return f"student #{i} id {int(student.encoding.ids[i])} {student.tokens[i]!r} ({int(s_starts[k])},{int(s_ends[k])}){loss}"
+        return f"student #{i} id {int(enc.ids[i])} {student.tokens[i]!r} ({int(enc.starts[i])},{int(enc.ends[i])}){loss}"
 
+    return _Shown.clip(enc.starts, enc.ends, n, note)
+
+
+def _coloured_text(text: str, scale: LossScale, teacher: _Shown, losses: np.ndarray, student: _Shown | None) -> str:
+    """The text as pieces coloured by loss; consecutive pieces of one student token in a box."""
+    extra = [(student.starts, student.ends)] if student is not None else []
+    pieces = cut_pieces(len(text), teacher.starts, teacher.ends, losses, *extra)
+    buckets = scale.bucket(pieces.loss)
+    t_cover = pieces.covering(teacher.starts, teacher.ends)
+    s_cover = pieces.covering(student.starts, student.ends) if student is not None else [[]] * len(pieces)
+    teacher_starts = set(teacher.starts.tolist())
     parts: list[str] = []
     open_box: int | None = None
     for p in range(len(pieces)):
         a, b = int(pieces.starts[p]), int(pieces.ends[p])
         box = min(s_cover[p]) if s_cover[p] else None
         if box != open_box:
-            if open_box is not None:
-                parts.append("</span>")
-            if box is not None:
-                parts.append(f'<span class="s" title="{_e(student_note(box))}">')
+            parts.append("</span>" if open_box is not None else "")
+            parts.append(f'<span class="s" title="{_e(student.notes[box])}">' if box is not None else "")
             open_box = box
-        notes = [teacher_note(j) for j in t_cover[p]] or ["no teacher token"]
-        notes += [student_note(k) for k in s_cover[p]]
+        notes = [teacher.notes[j] for j in t_cover[p]] or ["no teacher token"]
+        notes += [student.notes[k] for k in s_cover[p]]
         mark = " ts" if a in teacher_starts else ""
         parts.append(f'<span class="{_cls(int(buckets[p]))}{mark}" title="{_e(chr(10).join(notes))}">{_e(text[a:b])}</span>')
-    if open_box is not None:
-        parts.append("</span>")
+    parts.append("</span>" if open_box is not None else "")
+    return "".join(parts)
 
+
+def _section_rows(record: DocumentRecord, student: StudentView | None, max_chars: int) -> list[tuple[str, str]]:
+    finite = record.losses[np.isfinite(record.losses)]
+    mean = f"; mean loss {finite.mean():.4f}" if finite.size else ""
+    shown = f" (first {max_chars:,} shown)" if len(record.text) > max_chars else ""
     rows = [("document", f"{record.doc_id} ({record.file} row {record.row})"),
-            ("teacher tokens", f"{len(record):,}; mean loss {np.nanmean(record.losses):.4f}" if len(record) and np.isfinite(record.losses).any() else f"{len(record):,}"),
-            ("characters", f"{len(record.text):,}" + (f" (first {max_chars:,} shown)" if len(record.text) > max_chars else ""))]
+            ("teacher tokens", f"{len(record):,}{mean}"), ("characters", f"{len(record.text):,}{shown}")]
     if student is not None:
         rows.append(("student", f"{student.name}: {len(student.encoding):,} tokens, boxed"))
         if student.teacher_loss is not None and len(student.encoding):
             rows.append(("mapped", f"{100 * np.mean(~np.isnan(student.teacher_loss)):.2f}% of student tokens"))
-    title = heading or record.doc_id
-    return f"<h2>{_e(title)}</h2>\n{_meta_table(rows)}\n<div class=\"doc\">{''.join(parts)}</div>\n"
+    return rows
+
+
+def document_section(
+    record: DocumentRecord, scale: LossScale, student: StudentView | None = None,
+    max_chars: int = 20000, heading: str | None = None,
+) -> str:
+    """One document as an HTML fragment (a heading, its numbers and the coloured text)."""
+    text = record.text[:max_chars]
+    teacher = _teacher_tokens(record, len(text))
+    shown_student = _student_tokens(student, len(text)) if student is not None else None
+    body = _coloured_text(text, scale, teacher, record.losses[teacher.index], shown_student)
+    rows = _section_rows(record, student, max_chars)
+    return f"<h2>{_e(heading or record.doc_id)}</h2>\n{_meta_table(rows)}\n<div class=\"doc\">{body}</div>\n"
 
 
 def page(title: str, sections: list[str], scale: LossScale, meta: list[tuple[str, str]]) -> str:

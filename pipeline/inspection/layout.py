@@ -55,13 +55,9 @@ class LossScale:
         return "#ffffff" if bucket >= len(PALETTE) - 4 else "#000000"
 
     def labels(self) -> list[str]:
-        """Human range of each bucket, lowest first."""
-        bounds = [float("-inf"), *self.edges, float("inf")]
-        return [f"{_fmt(lo)} to {_fmt(hi)}" for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
-def _fmt(x: float) -> str:
-    return "" if np.isinf(x) else f"{x:.2f}"
+        """Human range of each bucket, lowest first: ``< 0.06``, ``0.06 to 0.14``, ..., ``>= 9.39``."""
+        middle = [f"{lo:.2f} to {hi:.2f}" for lo, hi in zip(self.edges[:-1], self.edges[1:])]
+        return [f"< {self.edges[0]:.2f}", *middle, f">= {self.edges[-1]:.2f}"]
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,11 @@ from pipeline.inspection.summary import DatasetSummary  # noqa: E402
 DPI = 120
 
 
+def _short(name: str) -> str:
+    """A tokenizer source as a short title: the file or folder name, or the hub id."""
+    return Path(name).name if "/" in name and Path(name).suffix else name
+
+
 def _save(fig, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +64,7 @@ def mapped_share(report: AlignReport, path: str | os.PathLike) -> Path:
     ax.axvline(overall * 100, color="#000000", linestyle="--", label=f"all tokens {100 * overall:.2f}%")
     ax.set_xlabel("mapped student tokens per document (%)")
     ax.set_ylabel("documents")
-    ax.set_title(f"student {report.student}: mapped share over {report.documents:,} documents")
+    ax.set_title(f"student {_short(report.student)}: mapped share over {report.documents:,} documents")
     ax.legend()
     return _save(fig, path)
 
@@ -72,7 +77,7 @@ def teacher_per_student(report: AlignReport, path: str | os.PathLike) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("teacher tokens per student token |A(i)|")
     ax.set_ylabel("student tokens (log)")
-    ax.set_title(f"student {report.student}: mean {report.mean_teacher_per_student:.3f} over mapped tokens")
+    ax.set_title(f"student {_short(report.student)}: mean {report.mean_teacher_per_student:.3f} over mapped tokens")
     return _save(fig, path)
 
 
@@ -89,6 +94,6 @@ def chunk_quality(report: AlignReport, path: str | os.PathLike) -> Path:
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("chunks per document C")
     ax.set_ylabel("mean over mapped student tokens")
-    ax.set_title(f"student {report.student}: token-level vs chunk-level alignment")
+    ax.set_title(f"student {_short(report.student)}: token-level vs chunk-level alignment")
     ax.legend(loc="center right", fontsize="small")
     return _save(fig, path)

@@ -1,13 +1,19 @@
 """A scored dataset in numbers, computed with Polars lazily over all shards.
 
-Everything is one ``pl.collect_all`` of four streaming queries over ``pl.scan_parquet`` of the
-manifest's shards, so memory stays flat however large the dataset grows (checked in
-``tests/test_inspect_memory.py``):
+One pass over the data: for each shard the manifest lists, one ``pl.collect_all`` of four
+streaming queries over its ``pl.scan_parquet`` (the queries share the scan), merged into running
+results that never grow with the dataset:
 
-* per shard: documents, empty documents, teacher tokens, NaN / infinite / finite losses, loss sum,
-  min and max (the dataset totals are sums of this small table);
+* per shard: documents, empty documents, teacher tokens, NaN / infinite / finite losses, loss sum
+  (the dataset totals are sums of this small table);
 * the ``top_k`` highest- and lowest-mean-loss documents with at least ``min_tokens`` tokens;
-* a histogram of the finite losses in bins of ``bin_width`` nats.
+* a histogram of the finite losses in bins of ``bin_width`` nats (a few thousand bins).
+
+Why per shard rather than one scan of every shard: ``collect_all`` caches a subplan its queries
+share, and over the whole dataset that cache (one row of statistics per document) grows with it;
+per shard it is bounded by the shard. Memory is flat as the dataset grows (checked in
+``tests/test_inspect_memory.py``); :meth:`ScoredDataset.scan` remains the one-frame view for
+ad-hoc queries.
 
 Loss quantiles come from that histogram (linear inside a bin), so they are exact to within one
 bin width (1/128 nat by default); the mean, min and max are exact. Exact quantiles would need every
@@ -188,8 +194,8 @@ def _per_shard_query(stats: pl.LazyFrame) -> pl.LazyFrame:
 def _extremes(stats: pl.LazyFrame, top_k: int, min_tokens: int) -> tuple[pl.LazyFrame, pl.LazyFrame]:
     eligible = stats.filter((pl.col("tokens") >= min_tokens) & pl.col("mean_loss").is_not_null())
     columns = ["doc_id", "file", "tokens", "mean_loss"]
-    highest = eligible.top_k(top_k, by="mean_loss").select(columns).sort("mean_loss", descending=True)
-    lowest = eligible.bottom_k(top_k, by="mean_loss").select(columns).sort("mean_loss")
+    highest = eligible.top_k(top_k, by="mean_loss").select(columns)
+    lowest = eligible.bottom_k(top_k, by="mean_loss").select(columns)
     return highest, lowest
 
 
@@ -209,6 +215,22 @@ def _by_reason(reasons: dict[str, int], group: tuple[str, ...]) -> dict[str, int
     return {k: int(v) for k, v in sorted(reasons.items()) if k in group}
 
 
+Partial = tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]  # highest, lowest, histogram
+
+
+def _merge(running: Partial | None, new: Partial, top_k: int) -> Partial:
+    """Fold one shard's extremes and histogram into the running ones (their size stays bounded)."""
+    if running is None:
+        return new
+    (highest, lowest, hist), (hi, lo, h) = running, new
+    highest = pl.concat([highest, hi]).top_k(top_k, by="mean_loss")
+    lowest = pl.concat([lowest, lo]).bottom_k(top_k, by="mean_loss")
+    hist = pl.concat([hist, h]).group_by("bin").agg(
+        count=pl.col("count").sum(), lowest=pl.col("lowest").min(), highest=pl.col("highest").max()
+    )
+    return highest, lowest, hist
+
+
 def summarize(
     dataset: ScoredDataset,
     top_k: int = 10,
@@ -217,14 +239,19 @@ def summarize(
     bin_width: float = DEFAULT_BIN_WIDTH,
 ) -> DatasetSummary:
     """The dataset's summary; extremes only among documents with ``>= min_tokens`` tokens."""
-    frame = dataset.scan(with_file=True)
-    stats = per_document_stats(frame)
-    highest, lowest = _extremes(stats, top_k, min_tokens)
-    shards, highest, lowest, hist = pl.collect_all(
-        [_per_shard_query(stats), highest, lowest, loss_histogram_query(frame, bin_width)], engine=ENGINE
-    )
-    shards = _shard_table(dataset, shards)
-    histogram = _histogram_from(hist, bin_width)
+    frames = [pl.scan_parquet(str(p)).with_columns(file=pl.lit(p.name)) for p in dataset.shard_paths]
+    shards, running = [], None
+    for frame in frames or [dataset.scan(with_file=True)]:
+        stats = per_document_stats(frame)
+        hi, lo = _extremes(stats, top_k, min_tokens)
+        shard, hi, lo, h = pl.collect_all(
+            [_per_shard_query(stats), hi, lo, loss_histogram_query(frame, bin_width)], engine=ENGINE
+        )
+        shards.append(shard)
+        running = _merge(running, (hi, lo, h), top_k)
+    highest, lowest, hist = running
+    shards = _shard_table(dataset, pl.concat(shards))
+    histogram = _histogram_from(hist.sort("bin"), bin_width)
     total = {c: int(shards[c].sum()) for c in ("documents", "empty_documents", "tokens", "nan", "inf", "finite")}
     loss_sum = float(shards["loss_sum"].sum() or 0.0)
     reasons = (dataset.manifest.get("totals") or {}).get("reasons", {})
@@ -247,8 +274,8 @@ def summarize(
         zero_token=_by_reason(reasons, ZERO_TOKEN_REASONS),
         noted={k: int(v) for k, v in sorted(reasons.items()) if k not in SKIP_REASONS + ZERO_TOKEN_REASONS},
         per_shard=shards,
-        highest=highest,
-        lowest=lowest,
+        highest=highest.sort("mean_loss", descending=True),
+        lowest=lowest.sort("mean_loss"),
         histogram=histogram,
         min_tokens=min_tokens,
         teacher=dataset.teacher,

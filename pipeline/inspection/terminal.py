@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -18,14 +19,27 @@ def _pct(x: float) -> str:
     return "n/a" if x != x else f"{100 * x:.2f}%"
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
 def _reasons(counts: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v:,}" for k, v in counts.items()) or "none"
+
+
+def _cells(*values) -> list[Text]:
+    """Table cells as plain text: data (doc ids, token text like ``[/math]``) is never rich markup."""
+    return [v if isinstance(v, Text) else Text(str(v)) for v in values]
 
 
 def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(*_cells(key, value))
     return table
 
 
@@ -37,12 +51,12 @@ def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
 def summary_renderables(s: DatasetSummary) -> list:
     status = "complete" if s.complete else f"partial: {s.shards_listed} of {s.shards_planned} planned shards"
     q = s.quantiles
-    overview = _key_value_table(f"scored dataset {s.name}", [
+    overview = _key_value_table(escape(f"scored dataset {s.name}"), [
         ("folder", f"{s.folder} ({status})"),
         ("teacher", f"{s.teacher.get('model', '?')} ({s.teacher.get('dtype', '?')}, BOS id {s.teacher.get('bos_id')})"),
         ("documents", f"{s.documents:,} stored ({s.empty_documents:,} with zero tokens)"),
         ("teacher tokens", f"{s.tokens:,}"),
-        ("bytes on disk", f"{s.bytes_on_disk:,} ({s.bytes_per_token:.2f} bytes per token)"),
+        ("bytes on disk", f"{s.bytes_on_disk:,} ({_size(s.bytes_on_disk)}; {s.bytes_per_token:.2f} bytes per teacher token)"),
         ("loss mean", f"{s.loss_mean:.4f} nats (NaN ignored; min {s.loss_min:.4f}, max {s.loss_max:.4f})"),
         ("loss quantiles", ", ".join(f"p{100 * k:g} {v:.3f}" for k, v in q.items())
          + f"  (within {s.histogram.bin_width:g} nats)"),
@@ -53,13 +67,13 @@ def summary_renderables(s: DatasetSummary) -> list:
         ("scored, noted", _reasons(s.noted)),
     ])
     shards = Table(title="per shard", title_justify="left")
-    for name in ("file", "documents", "tokens", "bytes", "bytes/token", "mean loss", "NaN share", "skipped"):
-        shards.add_column(name, justify="left" if name == "file" else "right")
+    for name in ("shard", "docs", "tokens", "size", "B/token", "loss", "NaN", "skipped"):
+        shards.add_column(name, justify="left" if name == "shard" else "right", no_wrap=True)
     for r in s.per_shard.iter_rows(named=True):
-        shards.add_row(r["file"], f"{r['documents']:,}", f"{r['tokens']:,}", f"{r['bytes']:,}",
+        shards.add_row(*_cells(r["file"].removesuffix(".parquet"), f"{r['documents']:,}", f"{r['tokens']:,}", _size(r["bytes"]),
                        f"{r['bytes_per_token']:.2f}" if r["tokens"] else "n/a",
                        f"{r['mean_loss']:.4f}" if r["mean_loss"] is not None else "n/a",
-                       _pct(r["nan_share"]) if r["nan_share"] is not None else "n/a", f"{r['skipped']:,}")
+                       _pct(r["nan_share"]) if r["nan_share"] is not None else "n/a", f"{r['skipped']:,}"))
     out = [overview, shards]
     for title, frame in ((f"highest mean loss (documents with >= {s.min_tokens} tokens)", s.highest),
                          (f"lowest mean loss (documents with >= {s.min_tokens} tokens)", s.lowest)):
@@ -67,7 +81,7 @@ def summary_renderables(s: DatasetSummary) -> list:
         for name in ("doc_id", "file", "tokens", "mean loss"):
             table.add_column(name, justify="right" if name in ("tokens", "mean loss") else "left")
         for r in frame.iter_rows(named=True):
-            table.add_row(r["doc_id"], r["file"], f"{r['tokens']:,}", f"{r['mean_loss']:.4f}")
+            table.add_row(*_cells(r["doc_id"], r["file"], f"{r['tokens']:,}", f"{r['mean_loss']:.4f}"))
         out.append(table)
     return out
 
@@ -96,12 +110,12 @@ def legend(scale: LossScale) -> Text:
 def document_table(record: DocumentRecord, top: int = 15) -> Table:
     """The document's highest-loss teacher tokens."""
     order = np.argsort(-np.nan_to_num(record.losses.astype(np.float64), nan=-np.inf))[:top]
-    table = Table(title=f"highest-loss teacher tokens of {record.doc_id}", title_justify="left")
+    table = Table(title=escape(f"highest-loss teacher tokens of {record.doc_id}"), title_justify="left")
     for name in ("#", "id", "span", "text", "loss"):
         table.add_column(name, justify="right" if name in ("#", "id", "loss") else "left")
     for k in order.tolist():
         a, b = int(record.starts[k]), int(record.ends[k])
-        table.add_row(str(k), str(int(record.ids[k])), f"({a},{b})", repr(record.text[a:b]), f"{record.losses[k]:.3f}")
+        table.add_row(*_cells(str(k), str(int(record.ids[k])), f"({a},{b})", repr(record.text[a:b]), f"{record.losses[k]:.3f}"))
     return table
 
 
@@ -117,21 +131,24 @@ def validation_renderables(report: ValidationReport, max_lines: int | None = Non
     if len(shown) < len(lines):
         out.append(Text(f"... and {len(lines) - len(shown):,} more (all in validation.json)", style="italic"))
     verdict = "OK" if report.ok else "FAILED"
-    out.append(Text(f"validate {verdict}: {report.shards_checked} shards, {report.rows_checked:,} rows; "
-                    f"{len(report.errors)} errors, {len(report.warnings)} warnings", style="bold green" if report.ok else "bold red"))
+    counts = f"{len(report.errors)} errors, {len(report.warnings)} warnings"
+    out.append(Text(f"validate {verdict}: {report.shards_checked} shards, {report.rows_checked:,} rows; {counts}",
+                    style="bold green" if report.ok else "bold red"))
     return out
 
 
 def overlap_table(o: VocabOverlap) -> Table:
-    table = Table(title=f"vocabulary overlap: teacher {o.teacher.source} vs student {o.student.source}", title_justify="left")
+    title = f"vocabulary overlap: teacher {o.teacher.source} vs student {o.student.source}"
+    table = Table(title=escape(title), title_justify="left")
     for name in ("view", "teacher", "student", "shared", "of teacher", "of student", "IoU"):
         table.add_column(name, justify="left" if name == "view" else "right")
-    for view, s in (("raw token strings", o.raw), ("normalised strings", o.normalised), ("special tokens (apart)", o.special)):
-        table.add_row(view, f"{s.teacher:,}", f"{s.student:,}", f"{s.shared:,}", _pct(s.share_of_teacher),
-                      _pct(s.share_of_student), _pct(s.iou))
-    table.caption = (f"teacher: {o.teacher.kind}, {len(o.teacher.tokens):,} tokens compared, {len(o.teacher.special)} special "
-                     f"and {len(o.teacher.added):,} other added left out; student: {o.student.kind}, "
-                     f"{len(o.student.tokens):,} compared, {len(o.student.special)} special and {len(o.student.added):,} added left out")
+    for view, s in (("raw strings", o.raw), ("normalised", o.normalised), ("special (apart)", o.special)):
+        table.add_row(*_cells(view, f"{s.teacher:,}", f"{s.student:,}", f"{s.shared:,}", _pct(s.share_of_teacher),
+                      _pct(s.share_of_student), _pct(s.iou)))
+    table.caption = "; ".join(
+        f"{side}: {v.kind}, {len(v.tokens):,} tokens compared, {len(v.special)} special and {len(v.added):,} other added left out"
+        for side, v in (("teacher", o.teacher), ("student", o.student))
+    )
     return table
 
 
@@ -139,7 +156,7 @@ def align_renderables(r: AlignReport) -> list:
     d = r.to_dict()
     tok = d["token_level"]
     scope = f"first {r.documents:,} documents (limit_docs={r.limit_docs})" if r.limit_docs else f"all {r.documents:,} documents"
-    overview = _key_value_table(f"alignment of student {r.student} with the teacher tokens", [
+    overview = _key_value_table(escape(f"alignment of student {r.student} with the teacher tokens"), [
         ("dataset", f"{r.dataset} ({scope})"),
         ("tokens", f"{d['student_tokens']:,} student, {d['teacher_tokens']:,} teacher "
                    f"({d['teacher_tokens'] / max(d['student_tokens'], 1):.3f} teacher per student)"),
@@ -154,7 +171,8 @@ def align_renderables(r: AlignReport) -> list:
     chunks = Table(title="token-level vs chunk-level alignment", title_justify="left")
     for name in ("alignment", "mapped share", "IoS mean", "IoU mean", "fully covered"):
         chunks.add_column(name, justify="left" if name == "alignment" else "right")
-    chunks.add_row("token level", _pct(tok["mapped_share"]), f"{tok['ios_mean']:.4f}", f"{tok['iou_mean']:.4f}", _pct(tok["ios_full_share"]))
-    for n, q in d["chunk_level"].items():
-        chunks.add_row(f"{n} chunks", _pct(q["mapped_share"]), f"{q['ios_mean']:.4f}", f"{q['iou_mean']:.4f}", _pct(q["ios_full_share"]))
+    rows = [("token level", tok)] + [(f"{n} chunk{'s' if int(n) > 1 else ''}", q) for n, q in d["chunk_level"].items()]
+    for label, q in rows:
+        chunks.add_row(*_cells(label, _pct(q["mapped_share"]), f"{q['ios_mean']:.4f}", f"{q['iou_mean']:.4f}",
+                               _pct(q["ios_full_share"])))
     return [overview, chunks]

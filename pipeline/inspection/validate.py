@@ -143,9 +143,11 @@ def _check_manifest(folder: Path, problems: list[Problem]) -> dict | None:
     _check_totals(manifest, entries, problems)
     planned = manifest.get("n_shards_planned")
     if manifest.get("complete") != (len(entries) == planned):
-        problems.append(Problem(ERROR, MANIFEST_NAME, f"complete={manifest.get('complete')!r} but {len(entries)} of {planned} planned shards are listed"))
+        listed = f"{len(entries)} of {planned} planned shards are listed"
+        problems.append(Problem(ERROR, MANIFEST_NAME, f"complete={manifest.get('complete')!r} but {listed}"))
     elif not manifest.get("complete"):
-        problems.append(Problem(WARNING, MANIFEST_NAME, f"partial dataset: {len(entries)} of {planned} planned shards (scoring unfinished)"))
+        listed = f"{len(entries)} of {planned} planned shards"
+        problems.append(Problem(WARNING, MANIFEST_NAME, f"partial dataset: {listed} (scoring unfinished)"))
     return manifest
 
 
@@ -187,7 +189,8 @@ def _check_folder_files(folder: Path, entries: dict[str, dict | None], problems:
                 else "unfinished (no marker): a rerun of score-teacher redoes it"
             problems.append(Problem(ERROR, name, f"shard missing from the manifest; {state}"))
         elif name.startswith(".") and ".tmp-" in name:
-            problems.append(Problem(WARNING, name, "temporary file left by an interrupted write (removed by the next score-teacher run)"))
+            problems.append(Problem(WARNING, name, "temporary file left by an interrupted write "
+                                                   "(removed by the next score-teacher run)"))
         elif name.endswith(".done.json") and name.replace(".done.json", ".parquet") not in entries:
             if not (folder / name.replace(".done.json", ".parquet")).exists():
                 problems.append(Problem(ERROR, name, "marker of a shard file that does not exist"))
@@ -219,7 +222,8 @@ def _check_shard(
         if diffs:
             problems.append(Problem(ERROR, name, "identity differs from the manifest: " + "; ".join(diffs)))
     if entry is not None and meta[META_SHARD].get("index") != entry.get("index"):
-        problems.append(Problem(ERROR, name, f"metadata shard index {meta[META_SHARD].get('index')!r}, manifest entry {entry.get('index')!r}"))
+        index = meta[META_SHARD].get("index")
+        problems.append(Problem(ERROR, name, f"metadata shard index {index!r}, manifest entry {entry.get('index')!r}"))
     try:
         return _check_rows(path, entry, rules, problems, hashes)
     except pl.exceptions.PolarsError as exc:  # a file whose footer reads but whose pages do not
@@ -231,11 +235,13 @@ def _check_file_against_entry(path: Path, entry: dict, checksums: bool, problems
     name = path.name
     size = path.stat().st_size
     if size != entry.get("bytes"):
-        problems.append(Problem(ERROR, name, f"{size} bytes on disk, manifest says {entry.get('bytes')} (truncated or rewritten)"))
+        problems.append(Problem(ERROR, name, f"{size} bytes on disk, manifest says {entry.get('bytes')} "
+                                             "(truncated or rewritten)"))
     if checksums:
         digest = file_sha256(path)
         if digest != entry.get("sha256"):
-            problems.append(Problem(ERROR, name, f"checksum mismatch: sha256 {digest[:16]}..., manifest says {str(entry.get('sha256'))[:16]}..."))
+            said = str(entry.get("sha256"))[:16]
+            problems.append(Problem(ERROR, name, f"checksum mismatch: sha256 {digest[:16]}..., manifest says {said}..."))
     marker = path.with_name(marker_name(entry["index"])) if isinstance(entry.get("index"), int) else None
     if marker is None or not marker.is_file():
         problems.append(Problem(ERROR, name, "no completion marker (.done.json) for a listed shard"))
@@ -346,7 +352,8 @@ def row_problems(record: dict, rules: _RowRules, file: str) -> list[Problem]:
     if rules.bos is not None and ids.size:
         first = np.zeros(ids.size, dtype=bool)
         first[0] = np.isnan(losses[0]) if rules.bos else not np.isnan(losses[0])
-        what = "NaN although a BOS preceded it" if rules.bos else "finite although no BOS preceded it (store NaN, never a made-up value)"
+        what = ("NaN although a BOS preceded it" if rules.bos
+                else "finite although no BOS preceded it (store NaN, never a made-up value)")
         found.append((WARNING, f"first token's loss {what}", first))
     out = []
     for severity, what, mask in found:
