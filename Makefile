@@ -32,6 +32,15 @@ train-student: setup
 inspect: setup
 	$(PY) -m stages.inspect $(ARGS)
 
+validate: setup
+	$(PY) -m stages.inspect command=validate $(ARGS)
+
+vocab-overlap: setup
+	$(PY) -m stages.inspect command=vocab-overlap $(ARGS)
+
+align-report: setup
+	$(PY) -m stages.inspect command=align-report $(ARGS)
+
 test: setup
 	$(PY) -m pytest -q -m "not slow"
 

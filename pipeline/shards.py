@@ -128,7 +128,7 @@ def _parquet_options(storage: StorageConfig) -> dict:
     return options
 
 
-def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+def list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
     lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
     offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -142,10 +142,10 @@ def documents_table(docs: Sequence[ScoredDocument], schema: pa.Schema = ROW_SCHE
     columns = [
         pa.array([d.doc_id for d in docs], pa.string()),
         pa.array([d.text for d in docs], pa.string()),
-        _list_array([d.ids for d in docs], pa.int32()),
-        _list_array([d.starts for d in docs], pa.int32()),
-        _list_array([d.ends for d in docs], pa.int32()),
-        _list_array([d.losses for d in docs], pa.float32()),
+        list_array([d.ids for d in docs], pa.int32()),
+        list_array([d.starts for d in docs], pa.int32()),
+        list_array([d.ends for d in docs], pa.int32()),
+        list_array([d.losses for d in docs], pa.float32()),
     ]
     return pa.Table.from_arrays(columns, schema=schema)
 
@@ -257,8 +257,8 @@ def _clear_dataset(folder: Path) -> None:
             path.unlink()
         elif path.name.startswith(".") and ".tmp-" in path.name:
             path.unlink()
-        elif path.is_dir() and path.name.startswith("."):
-            shutil.rmtree(path)
+        elif path.is_dir() and (path.name.startswith(".") or path.name == "inspect"):
+            shutil.rmtree(path)  # reports made by `make inspect` describe the old shards
 
 
 def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:

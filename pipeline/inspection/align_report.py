@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from pipeline.align import align_document, align_spans, alignment_quality, chunk_align, chunk_ids, overlap_pairs
 from pipeline.inspection.dataset import DocumentRecord, ScoredDataset
-from pipeline.shards import _list_array  # the stage-1 writer's list-column builder
+from pipeline.shards import list_array  # the stage-1 writer's list-column builder
 from pipeline.tokenization import Encoding, encode_batch, fingerprint
 
 DEFAULT_CHUNK_COUNTS = (1, 4, 16, 64, 256)
@@ -372,12 +372,12 @@ class AlignedWriter:
 def aligned_table(docs: list[AlignedDocument], schema: pa.Schema = ALIGNED_SCHEMA) -> pa.Table:
     columns = [
         pa.array([d.doc_id for d in docs], pa.string()),
-        _list_array([d.student.ids.astype(np.int32) for d in docs], pa.int32()),
-        _list_array([d.student.starts.astype(np.int32) for d in docs], pa.int32()),
-        _list_array([d.student.ends.astype(np.int32) for d in docs], pa.int32()),
-        _list_array([d.teacher_lo.astype(np.int32) for d in docs], pa.int32()),
-        _list_array([d.teacher_hi.astype(np.int32) for d in docs], pa.int32()),
-        _list_array([d.teacher_loss.astype(np.float32) for d in docs], pa.float32()),
-        _list_array([d.token.mapped.astype(bool) for d in docs], pa.bool_()),
+        list_array([d.student.ids.astype(np.int32) for d in docs], pa.int32()),
+        list_array([d.student.starts.astype(np.int32) for d in docs], pa.int32()),
+        list_array([d.student.ends.astype(np.int32) for d in docs], pa.int32()),
+        list_array([d.teacher_lo.astype(np.int32) for d in docs], pa.int32()),
+        list_array([d.teacher_hi.astype(np.int32) for d in docs], pa.int32()),
+        list_array([d.teacher_loss.astype(np.float32) for d in docs], pa.float32()),
+        list_array([d.token.mapped.astype(bool) for d in docs], pa.bool_()),
     ]
     return pa.Table.from_arrays(columns, schema=schema)
