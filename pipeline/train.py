@@ -7,14 +7,29 @@ final model. Everything that can fail on bad input fails before the model is loa
 
 The run folder ``output_dir`` (deterministic, e.g. ``outputs/students/<run name>``) holds
 ``run.json`` (the recipe), ``checkpoint-<step>/`` (model, optimizer, scheduler, RNG, trainer
-state and ``data_identity.json``), ``metrics.jsonl``, ``runs/`` (TensorBoard), ``final/``
-(``save_pretrained`` model and tokenizer plus ``data_identity.json``) and ``summary.json``.
+state, ``data_identity.json`` and, written last, ``checkpoint_complete.json``), ``metrics.jsonl``,
+``runs/`` (TensorBoard), ``final/`` (``save_pretrained`` model and tokenizer plus
+``data_identity.json``; written under a temporary name and renamed, so it is whole or absent) and
+``summary.json``.
 
-Resume (``train.resume``): ``auto`` continues from the newest checkpoint in ``output_dir`` when
-there is one, ``never`` refuses a folder that already has checkpoints (unless ``overwrite``), a
-path resumes from that checkpoint. A resume is refused when the recipe (``run.json``) or the
-data identity (scored shards, student tokenizer, packing) differs from the checkpoint's: a resumed
-run must see exactly the batches the interrupted one would have seen.
+Resume (``train.resume``): ``auto`` continues from the newest *complete* checkpoint in
+``output_dir`` when there is one, ``never`` refuses a folder that already has checkpoints (unless
+``overwrite``), a path resumes from that checkpoint. A checkpoint folder without
+``checkpoint_complete.json`` was being written when the process died (SIGKILL, node loss): it is
+never resumed from, and it is deleted when the run folder is prepared. A resume is refused when the
+recipe (``run.json``) or the data identity (scored shards, student tokenizer, packing) differs from
+the checkpoint's: a resumed run must see exactly the batches the interrupted one would have seen.
+Resuming restores the weights, AdamW's state, the learning-rate schedule, the RNG states and the
+data position (the Trainer skips the batches already trained), so on CPU a run killed at any
+moment and resumed logs exactly the per-step losses of an uninterrupted run
+(``tests/test_faults_stage2.py``).
+
+Non-finite losses: a step whose loss or gradient is not finite is skipped, and after
+``train.max_nonfinite_in_a_row`` such steps in a row the run saves a checkpoint and stops with
+:class:`pipeline.guided_trainer.NonFiniteLossError` (:mod:`pipeline.guided_trainer`).
+
+Security: the student's weights are loaded with ``use_safetensors=True`` (a checkpoint that has only
+pickle weights is refused) and remote code only runs when ``student.trust_remote_code`` is set.
 
 Batch geometry: ``micro_batch_size`` sequences per process per forward pass; either
 ``global_batch_tokens`` (the paper: 2M = 2^21 tokens = 1024 sequences of 2048) from which the
@@ -127,11 +142,12 @@ class TrainConfig:
     ddp_timeout: int = 7200  # seconds; ranks wait this long for the first one's token count pass
     torch_compile: bool = False
     cpu_threads: int | None = None  # torch intra-op threads while training (None: torch's default)
+    max_nonfinite_in_a_row: int = 5  # skipped (non-finite) optimizer steps in a row before the run stops
 
 
 # Train settings that do not change what is computed: they may differ on a resume.
 OPERATIONAL = ("logging_steps", "save_steps", "save_total_limit", "resume", "progress", "report_to",
-               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads")
+               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads", "max_nonfinite_in_a_row")
 
 
 @dataclass(frozen=True)
@@ -168,7 +184,8 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
         p.append(f"loss.ratio: {loss.ratio} is not in (0, 1]")
     for where, value in (("loss.n_chunks", loss.n_chunks), ("student.seq_len", job.student.seq_len),
                          ("train.micro_batch_size", train.micro_batch_size), ("data.epochs", data.epochs),
-                         ("train.logging_steps", train.logging_steps), ("train.save_steps", train.save_steps)):
+                         ("train.logging_steps", train.logging_steps), ("train.save_steps", train.save_steps),
+                         ("train.max_nonfinite_in_a_row", train.max_nonfinite_in_a_row)):
         if value < 1:
             p.append(f"{where}: {value} must be >= 1")
     if not data.folders:
@@ -220,6 +237,7 @@ class TrainSummary:
     seconds: float
     data: dict  # plan summary, shards used/skipped, alignment
     last_log: dict
+    nonfinite_steps: list[int] = field(default_factory=list)  # optimizer steps skipped (whole run)
 
     @property
     def tokens_per_s(self) -> float:
@@ -258,13 +276,19 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     """Load the student and train it from ``checkpoint`` (or from scratch) to ``args.max_steps``.
 
     A checkpoint already at ``max_steps`` is a finished run: its weights are loaded and nothing is
-    trained (the HF Trainer would otherwise train one step past the end). Returns the trainer and
-    the step it started from.
+    trained (the HF Trainer would otherwise train one step past the end). The count of skipped
+    non-finite steps continues from the checkpoint's; a run stopped by too many of them in a row
+    raises :class:`NonFiniteLossError` (after its checkpoint is saved). Returns the trainer and the
+    step it started from.
     """
+    from pipeline.guided_trainer import NonFiniteGuard, NonFiniteLossError, read_guard_state
+
     start_step = _checkpoint_step(checkpoint)
     finished = start_step >= args.max_steps
     student = replace(job.student, model=checkpoint, revision=None) if finished else job.student
-    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, callbacks)
+    guard = NonFiniteGuard(max_in_a_row=job.train.max_nonfinite_in_a_row)
+    guard.restore(read_guard_state(checkpoint))
+    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks)
     if finished:
         log.info("%s is at step %d of %d: nothing to train", checkpoint, start_step, args.max_steps)
         trainer.state.log_history = _trainer_state(checkpoint).get("log_history", [])
@@ -272,6 +296,8 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     else:
         with _cpu_threads(job.train.cpu_threads):
             trainer.train(resume_from_checkpoint=checkpoint)
+    if trainer.stop_reason:
+        raise NonFiniteLossError(trainer.stop_reason)
     return trainer, start_step
 
 
@@ -284,6 +310,7 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
               "shards_used": len(data.scored.shards), "shards_skipped": data.scored.skipped,
               "teacher": data.scored.teacher.get("teacher", {}).get("name")},
         last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
+        nonfinite_steps=list(trainer.guard.skipped),
     )
 
 
@@ -326,12 +353,26 @@ class RunMismatchError(RuntimeError):
     """The run folder holds a run with another recipe or other data; resuming would not be exact."""
 
 
+def checkpoint_folders(out: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """``(complete, incomplete)`` checkpoint folders of a run folder, by step."""
+    from pipeline.guided_trainer import is_complete_checkpoint
+
+    out = Path(out)
+    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    found.sort(key=lambda p: int(p.name.split("-", 1)[1]))
+    return [p for p in found if is_complete_checkpoint(p)], [p for p in found if not is_complete_checkpoint(p)]
+
+
 def resolve_checkpoint(job: TrainJobConfig, identity: dict) -> str | None:
     """The checkpoint to resume from (``train.resume``), after checking it continues this run."""
-    from transformers.trainer_utils import get_last_checkpoint
+    from pipeline.guided_trainer import is_complete_checkpoint
 
     out = Path(job.output_dir)
-    latest = get_last_checkpoint(str(out)) if out.is_dir() and not job.overwrite else None
+    complete, incomplete = checkpoint_folders(out) if out.is_dir() and not job.overwrite else ([], [])
+    latest = str(complete[-1]) if complete else None
+    if incomplete:
+        log.warning("ignoring incomplete checkpoint(s) %s (the process died while saving)",
+                    ", ".join(p.name for p in incomplete))
     resume = job.train.resume
     if resume == "never":
         if latest:
@@ -343,6 +384,9 @@ def resolve_checkpoint(job: TrainJobConfig, identity: dict) -> str | None:
         return None
     if not Path(checkpoint).is_dir():
         raise FileNotFoundError(f"train.resume: checkpoint {checkpoint} not found")
+    if not is_complete_checkpoint(checkpoint):
+        raise RunMismatchError(f"cannot resume {checkpoint}: it is incomplete (no checkpoint_complete.json; the "
+                               "process died while saving it). Resume from an earlier checkpoint.")
     problems = _resume_differences(job, identity, Path(checkpoint))
     if problems:
         raise RunMismatchError(
@@ -378,8 +422,12 @@ def _jsonable(obj):
 
 
 def prepare_run_folder(job: TrainJobConfig, checkpoint: str | None) -> None:
-    """Create the folder, clear it when ``overwrite``, and record the recipe (main process only)."""
+    """Create the folder, clear it when ``overwrite``, delete incomplete checkpoints (left by a
+    process killed while saving) and record the recipe (main process only)."""
     out = Path(job.output_dir)
+    for path in checkpoint_folders(out)[1] if out.is_dir() else []:
+        log.warning("deleting incomplete checkpoint %s", path)
+        shutil.rmtree(path)
     if job.overwrite and out.is_dir():
         for path in out.iterdir():
             if path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, "runs"):
@@ -409,7 +457,8 @@ def load_student(student: StudentConfig, vocab_size: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"revision": student.revision, "trust_remote_code": student.trust_remote_code, "dtype": torch.float32}
+    kwargs = {"revision": student.revision, "trust_remote_code": student.trust_remote_code, "dtype": torch.float32,
+              "use_safetensors": True}  # never unpickle downloaded weights
     if student.attn_implementation:
         kwargs["attn_implementation"] = student.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(student.model, **kwargs)
@@ -491,8 +540,8 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
     )
 
 
-def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, callbacks):
-    from pipeline.guided_trainer import METRICS_NAME, DataIdentityCallback, GuidedTrainer, JsonlMetricsCallback
+def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks):
+    from pipeline.guided_trainer import METRICS_NAME, CheckpointRecordCallback, GuidedTrainer, JsonlMetricsCallback
     from pipeline.student_data import collate_packed
 
     return GuidedTrainer(
@@ -501,19 +550,27 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, cal
         train_dataset=data.dataset,
         data_collator=collate_packed,
         processing_class=tokenizer,
-        callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), DataIdentityCallback(identity),
+        callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), CheckpointRecordCallback(identity, guard),
                    *(callbacks or [])],
         selection=job.loss.selection(),
         seed=job.train.seed,
+        guard=guard,
     )
 
 
 def save_final(trainer, job: TrainJobConfig, identity: dict) -> Path:
-    """``save_pretrained`` model and tokenizer in ``<output_dir>/final``, with the data identity."""
+    """``save_pretrained`` model and tokenizer in ``<output_dir>/final``, with the data identity.
+    Written as ``.final.tmp`` and renamed: ``final`` is whole or absent, even after a kill."""
     from pipeline.guided_trainer import write_data_identity
 
     final = Path(job.output_dir) / FINAL_NAME
-    trainer.save_model(str(final))  # model (safetensors) and the processing class (tokenizer)
+    tmp = final.with_name(f".{FINAL_NAME}.tmp")
+    if trainer.is_world_process_zero() and tmp.exists():
+        shutil.rmtree(tmp)
+    trainer.save_model(str(tmp))  # model (safetensors) and the processing class (tokenizer)
     if trainer.is_world_process_zero():
-        write_data_identity(final, identity)
+        write_data_identity(tmp, identity)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
     return final

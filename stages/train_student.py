@@ -27,6 +27,7 @@ from pipeline.train import (
     validate,
 )
 from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, raise_if, typed
+from storage_schemas import write_json_atomic
 
 log = logging.getLogger("train_student")
 
@@ -104,6 +105,8 @@ def print_summary(s: TrainSummary) -> None:
         ("alignment", f"{d['alignment']} ({d['aggregate']})"),
         ("steps", f"{s.steps} ({s.tokens_per_step:,} tokens each)"),
         ("throughput", f"{s.tokens_per_s:,.0f} tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
+        ("non-finite", f"{len(s.nonfinite_steps)} step(s) skipped: " + ", ".join(map(str, s.nonfinite_steps[:20]))
+         + (" ..." if len(s.nonfinite_steps) > 20 else "") if s.nonfinite_steps else "no step skipped"),
     ]
     if last:
         rows.append(("last log", ", ".join(f"{k} {last[k]:.4g}" for k in (
@@ -127,9 +130,8 @@ def main(cfg: DictConfig) -> None:
     summary = run_training(job)
     if _is_main_process():
         print_summary(summary)
-        (Path(job.output_dir) / "summary.json").write_text(
-            json.dumps({**summary.__dict__, "tokens_per_s": summary.tokens_per_s}, indent=1, default=str)
-        )
+        record = json.loads(json.dumps({**summary.__dict__, "tokens_per_s": summary.tokens_per_s}, default=str))
+        write_json_atomic(Path(job.output_dir) / "summary.json", record)
 
 
 def _is_main_process() -> bool:
