@@ -46,15 +46,16 @@ class DatasetMismatchError(RuntimeError):
 
 
 class DatasetBusyError(RuntimeError):
-    """Another job is writing the same dataset folder."""
+    """Another job is writing the same folder (a scored dataset or a training run)."""
 
 
 LOCK_NAME = ".lock"
 
 
 @contextlib.contextmanager
-def exclusive_writer(folder: str | os.PathLike):
-    """Hold an exclusive lock on ``folder`` (created if missing) for one job's lifetime.
+def exclusive_writer(folder: str | os.PathLike, what: str = "scoring job"):
+    """Hold an exclusive lock on ``folder`` (created if missing) for one job's lifetime; ``what``
+    names the kind of job in the refusal (``another scoring job is writing ...``).
 
     ``flock`` is released by the kernel when the holder dies, even on SIGKILL, so a crashed job
     never blocks the rerun. (On network filesystems without ``flock`` support the lock may be
@@ -68,7 +69,7 @@ def exclusive_writer(folder: str | os.PathLike):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            raise DatasetBusyError(f"{folder}: another scoring job is writing this dataset ({holder})") from None
+            raise DatasetBusyError(f"{folder}: another {what} is writing this folder ({holder})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield

@@ -51,6 +51,7 @@ from pathlib import Path
 from pipeline.align import AGGREGATIONS
 from pipeline.guided_loss import MODES, RANK_OVER, UNMAPPED, SelectionConfig
 from pipeline.scored_dataset import ON_BAD_SHARD, VERIFY, open_scored_dataset
+from pipeline.shards import exclusive_writer
 from pipeline.student_data import ALIGNMENTS, AlignmentConfig, PackingConfig, StudentData, build_student_data
 from pipeline.tokenization import fingerprint, load_tokenizer
 from storage_schemas import write_json_atomic
@@ -245,7 +246,18 @@ class TrainSummary:
 
 
 def run_training(job: TrainJobConfig, callbacks: list | None = None) -> TrainSummary:
-    """Train the student (module docstring). ``callbacks`` are extra ``TrainerCallback``s."""
+    """Train the student (module docstring). ``callbacks`` are extra ``TrainerCallback``s.
+
+    The global rank-0 process holds an exclusive lock on the run folder for the whole run, so a
+    second launch of the same run is refused instead of interleaving checkpoints.
+    """
+    with contextlib.ExitStack() as stack:
+        if int(os.environ.get("RANK", "0")) == 0:
+            stack.enter_context(exclusive_writer(job.output_dir, what="training run"))
+        return _run_training(job, callbacks)
+
+
+def _run_training(job: TrainJobConfig, callbacks: list | None) -> TrainSummary:
     t0 = time.perf_counter()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     problems = validate(job, world_size)

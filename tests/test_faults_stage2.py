@@ -278,3 +278,13 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_a_usable_checkpoint(tiny_stu
     summary = run_training(job)  # the cause is gone: the rerun resumes from the stop and finishes
     assert summary.resumed_from.endswith("checkpoint-5") and summary.steps == 8
     assert summary.nonfinite_steps == [3, 4, 5]  # the count survives the resume
+
+
+def test_second_training_on_the_same_run_folder_is_refused(tiny_student, micro_scored, tmp_path):
+    from pipeline.shards import DatasetBusyError, exclusive_writer
+
+    job = make_job(tiny_student, micro_scored, tmp_path / "run")
+    with exclusive_writer(job.output_dir, what="training run"):  # as if another launch were training
+        with pytest.raises(DatasetBusyError, match="another training run is writing this folder"):
+            run_training(job)
+    assert not list(Path(job.output_dir).glob("checkpoint-*"))
