@@ -99,11 +99,13 @@ class StorageConfig:
     loss_precision: str = "float32"  # float32 | bfloat16 | float16
 
 
+# Parquet matches column encodings on leaf paths (``starts.list.element``), and pyarrow silently
+# ignores names that match no leaf, so the paths are spelled out in full.
 COMPACT_ENCODINGS = {
-    "token_ids": "DELTA_BINARY_PACKED",
-    "starts": "DELTA_BINARY_PACKED",
-    "ends": "DELTA_BINARY_PACKED",
-    "losses": "BYTE_STREAM_SPLIT",
+    "token_ids.list.element": "DELTA_BINARY_PACKED",
+    "starts.list.element": "DELTA_BINARY_PACKED",
+    "ends.list.element": "DELTA_BINARY_PACKED",
+    "losses.list.element": "BYTE_STREAM_SPLIT",
 }
 
 

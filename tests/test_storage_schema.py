@@ -108,6 +108,11 @@ def test_compact_encodings_keep_every_value_and_shrink_the_file(tmp_path):
         folder.mkdir()
         sizes[name] = write_shard(folder, 0, result, {}, {}, "v", storage=storage)["bytes"]
         table = pq.read_table(folder / "shard-000000.parquet")
+        row_group = pq.ParquetFile(folder / "shard-000000.parquet").metadata.row_group(0)
+        encodings = {row_group.column(i).path_in_schema: row_group.column(i).encodings for i in range(row_group.num_columns)}
+        if name == "compact":  # the encodings must really be in the file, not silently dropped
+            assert "DELTA_BINARY_PACKED" in encodings["starts.list.element"]
+            assert "BYTE_STREAM_SPLIT" in encodings["losses.list.element"]
         assert table.column("starts").to_pylist() == [d.starts.tolist() for d in docs]
         got = np.concatenate([np.asarray(x, np.float32) for x in table.column("losses").to_pylist()])
         np.testing.assert_array_equal(got, np.concatenate([d.losses for d in docs]))
