@@ -279,3 +279,33 @@ def test_ios_and_iou_hand_example():
     assert q.n_mapped == 1 and q.ios_mean == pytest.approx(0.5)
     assert q.iou == pytest.approx(2 / 5)
 
+
+
+def test_batched_alignment_equals_one_document_at_a_time():
+    """align_documents shifts documents onto one line; the result must not change per document."""
+    from types import SimpleNamespace
+
+    from pipeline.align import align_document, align_documents
+
+    rng = np.random.default_rng(0)
+    students, teachers = [], []
+    for k in range(40):
+        length = int(rng.integers(0, 60))
+        s_cuts = np.unique(np.r_[0, rng.integers(0, length + 1, rng.integers(0, 20)), length])
+        t_cuts = np.unique(np.r_[0, rng.integers(0, length + 1, rng.integers(0, 20)), length])
+        s_starts, s_ends = s_cuts[:-1], s_cuts[1:]
+        if k % 5 == 0 and s_starts.size:  # special tokens with empty spans
+            s_starts, s_ends = np.r_[0, s_starts], np.r_[0, s_ends]
+        t_starts, t_ends = t_cuts[:-1].copy(), t_cuts[1:].copy()
+        if k % 3 == 0 and t_starts.size > 1:  # byte-level style overlapping spans
+            t_starts[1] = max(t_starts[1] - 1, 0)
+        t_losses = rng.gamma(2.0, 1.0, t_starts.size)
+        t_losses[rng.random(t_starts.size) < 0.2] = np.nan
+        students.append(SimpleNamespace(starts=s_starts, ends=s_ends))
+        teachers.append((t_starts, t_ends, t_losses))
+    for how in ("max", "mean", "min"):
+        batched = align_documents(students, teachers, how)
+        for s, t, got in zip(students, teachers, batched):
+            want = align_document(s, *t, how=how)
+            np.testing.assert_array_equal(got.teacher_loss, want.teacher_loss)
+            np.testing.assert_array_equal(got.mapped, want.mapped)

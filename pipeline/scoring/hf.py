@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pipeline.scoring.base import ScorerConfig
 
@@ -130,8 +131,8 @@ class TransformersScorer:
             logits = self.head(h[lo:hi]).float()  # (C, V) float32
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
-            target_logit = logits.gather(1, targets[lo:hi, None]).squeeze(1)  # (C,)
-            out[lo:hi] = torch.logsumexp(logits, dim=-1) - target_logit
+            # one fused log-softmax + gather (measured faster than logsumexp - gather)
+            out[lo:hi] = F.cross_entropy(logits, targets[lo:hi], reduction="none")  # (C,)
         return out
 
 
