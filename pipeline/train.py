@@ -251,13 +251,11 @@ def run_training(job: TrainJobConfig, callbacks: list | None = None) -> TrainSum
     The global rank-0 process holds an exclusive lock on the run folder for the whole run, so a
     second launch of the same run is refused instead of interleaving checkpoints.
     """
-    with contextlib.ExitStack() as stack:
-        if int(os.environ.get("RANK", "0")) == 0:
-            stack.enter_context(exclusive_writer(job.output_dir, what="training run"))
-        return _run_training(job, callbacks)
+    with contextlib.ExitStack() as lock:
+        return _run_training(job, callbacks, lock)
 
 
-def _run_training(job: TrainJobConfig, callbacks: list | None) -> TrainSummary:
+def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.ExitStack) -> TrainSummary:
     t0 = time.perf_counter()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     problems = validate(job, world_size)
@@ -273,6 +271,8 @@ def _run_training(job: TrainJobConfig, callbacks: list | None) -> TrainSummary:
     args.max_steps = _number_of_steps(job, data, world_size, accumulation, tokens_per_step)
     identity = data.identity(fingerprint(tokenizer), _packing(job))
 
+    if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
+        lock.enter_context(exclusive_writer(job.output_dir, what="training run"))
     checkpoint = resolve_checkpoint(job, identity)
     with args.main_process_first(local=False, desc="run folder"):
         if args.process_index == 0:
