@@ -194,16 +194,6 @@ def proposals(report: dict) -> list[str]:
     """One line per measured proposal, from the cases that ran."""
     out = []
     cases = report["cases"]
-    a = cases.get("alignment", {})
-    if "cost_cpu" in a:
-        line = f"pipeline/align.py: alignment cost {a['cost_cpu']['median']:.3f} now ({a['cost_method']})"
-        for key, label in (("cost_align_fast_doc_cpu", "per-document fast path for monotone spans (fast_align_max)"),
-                           ("cost_align_batched_cpu", "batched, 64 documents per call, ranges counted with "
-                            "bincount/cumsum on the shared character line, int32, no overlap re-check for "
-                            "monotone spans, float32 fmax.reduceat (align_batch_max)")):
-            if key in a:
-                line += f"; {label}: {a[key]['median']:.3f}"
-        out.append(line + " (identical outputs, checked)")
     d = cases.get("student_data", {})
     if "proposed" in d.get("ratios", {}):
         out.append(f"pipeline/student_data.py: tokenize and align a row group at a time (batched_student_stream): "

@@ -309,3 +309,65 @@ def test_batched_alignment_equals_one_document_at_a_time():
             want = align_document(s, *t, how=how)
             np.testing.assert_array_equal(got.teacher_loss, want.teacher_loss)
             np.testing.assert_array_equal(got.mapped, want.mapped)
+
+
+# --------------------------------------------------------------------------------------------
+# Batched alignment: fast path and fallback against align_document
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def batch_document(draw):
+    """One document of a batch: tokenizer-like spans (the fast path) or general ones, whose starts
+    or ends may go back (the fallback); float32 losses as stage 1 stores them, or float64."""
+    if draw(st.booleans()):
+        student, teacher = draw(tokenizer_like_pair())
+        if draw(st.booleans()):  # a teacher BOS stored with an empty span
+            teacher = [(0, 0), *teacher]
+    else:
+        student, teacher = draw(st.lists(span, max_size=15)), draw(general_teacher_spans())
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    losses = np.asarray(draw(st.lists(loss_value, min_size=len(teacher), max_size=len(teacher))), dtype=dtype)
+    c, d = to_arrays(student)
+    a, b = to_arrays(teacher)
+    return Encoding(np.zeros_like(c), c, d), (a, b, losses)
+
+
+@settings(max_examples=300, deadline=None)
+@given(docs=st.lists(batch_document(), max_size=6), how=st.sampled_from(["max", "mean", "min"]))
+def test_align_documents_equals_align_document_bit_for_bit(docs, how):
+    from pipeline.align import _SharedLine, align_documents
+
+    students, teachers = [s for s, _ in docs], [t for _, t in docs]
+    goes_back = [k for k, (a, b, _) in enumerate(teachers) if np.any(np.diff(a) < 0) or np.any(np.diff(b) < 0)]
+    if docs:  # exactly the documents whose teacher spans go back fall back to the general path
+        assert _SharedLine.of(students, teachers).non_monotone_documents().tolist() == goes_back
+    got = align_documents(students, teachers, how)
+    assert len(got) == len(docs)
+    for s, t, g in zip(students, teachers, got):
+        want = align_document(s, *t, how)
+        assert g.teacher_loss.dtype == np.float32
+        assert np.array_equal(g.teacher_loss.view(np.uint32), want.teacher_loss.view(np.uint32))
+        assert np.array_equal(g.mapped, want.mapped)
+
+
+def test_align_documents_other_methods_and_errors():
+    from pipeline.align import align_documents
+
+    s = Encoding(np.zeros(3, np.int32), np.array([0, 2, 3], np.int32), np.array([2, 3, 5], np.int32))
+    same = (s.starts, s.ends, np.array([1.0, 2.0, 3.0], np.float32))
+    other = (np.array([0, 1], np.int32), np.array([1, 5], np.int32), np.array([4.0, 6.0], np.float32))
+    one = align_documents([s, s], [same, same], one_to_one=True)
+    assert all(np.array_equal(x.teacher_loss, [1.0, 2.0, 3.0]) for x in one)
+    chunked = align_documents([s], [other], n_chunks=2, text_lens=[6])
+    np.testing.assert_array_equal(chunked[0].teacher_loss, align_document(s, *other, n_chunks=2, text_len=6).teacher_loss)
+    # Negative offsets (no tokenizer gives them) align each document on its own.
+    odd = (np.array([-2, 0], np.int32), np.array([-1, 4], np.int32), np.array([9.0, 6.0], np.float32))
+    np.testing.assert_array_equal(align_documents([s, s], [other, odd])[1].teacher_loss, [6.0, 6.0, 6.0])
+    with pytest.raises(ValueError, match="document 1: 1 teacher losses for 2"):
+        align_documents([s, s], [other, (other[0], other[1], other[2][:1])])
+    with pytest.raises(ValueError, match="sorted"):  # unsorted non-empty starts, as align_document
+        align_documents([s, s], [other, (np.array([3, 1], np.int32), np.array([4, 2], np.int32), other[2])])
+    with pytest.raises(ValueError, match="aggregation"):
+        align_documents([s], [other], "median")
+    assert align_documents([], []) == []

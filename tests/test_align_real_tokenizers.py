@@ -132,3 +132,37 @@ def test_byte_level_split_characters_overlap(teachers, teacher_name):
     assert np.all(np.diff(enc.ends) >= 0)
     # ' 🙂' is one token spanning a space and an emoji (characters 2..4 of "Hi 🙂!").
     assert (2, 4) in list(zip(enc.starts.tolist(), enc.ends.tolist()))
+
+
+REAL = ["llama-spm", "qwen2", "deepseek", "mistral"]
+
+
+def same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    return x.dtype == y.dtype == np.float32 and np.array_equal(x.view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.parametrize("student_name", REAL)
+def test_batched_fast_path_equals_align_document_on_real_tokenizers(real_tokenizer, student_name):
+    """Every real tokenizer pair takes align_documents' fast path (no document falls back) and
+    gets align_document's losses bit for bit, with NaN losses and a teacher BOS (0, 0) span."""
+    from pipeline.align import _SharedLine, align_documents
+    from pipeline.tokenization import encode_batch
+
+    texts = [*TEXTS, "", " ", TEXTS[0] * 3]
+    student = encode_batch(real_tokenizer(student_name), texts)
+    rng = np.random.default_rng(1)
+    for teacher_name in [n for n in REAL if n != student_name]:
+        spans = []
+        for k, t in enumerate(encode_batch(real_tokenizer(teacher_name), texts)):
+            starts, ends = t.starts, t.ends
+            if k % 2:  # a teacher whose tokenizer adds BOS stores it with an empty span first
+                starts, ends = np.r_[np.int32(0), starts], np.r_[np.int32(0), ends]
+            losses = rng.gamma(2.0, 1.0, starts.size).astype(np.float32)
+            losses[rng.random(starts.size) < 0.15] = np.nan
+            spans.append((starts, ends, losses))
+        assert _SharedLine.of(student, spans).non_monotone_documents().size == 0
+        for how in ("max", "mean", "min"):
+            for s, t, got in zip(student, spans, align_documents(student, spans, how)):
+                want = align_document(s, *t, how)
+                assert same_bits(got.teacher_loss, want.teacher_loss), (student_name, teacher_name, how)
+                assert np.array_equal(got.mapped, want.mapped)

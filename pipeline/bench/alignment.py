@@ -7,13 +7,9 @@ Sides, all single-threaded (``TOKENIZERS_PARALLELISM=false``), compared by proce
 * ``align``: :func:`pipeline.align.align_document` for every document (max aggregation), given
   the student encodings and the teacher's spans and losses (teacher losses are random, NaN at the
   first token as for a teacher without BOS: alignment cost does not depend on the values);
-* ``align_documents``: where the pipeline has it, its batch API
-  :func:`pipeline.align.align_documents` over ``batch_docs`` documents per call (checked equal to
-  ``align``). The figure is the faster of the pipeline's two ways;
-* ``align_fast_doc`` and ``align_batched`` (proposals, :mod:`pipeline.bench.proposals`, checked
-  equal to ``align`` first): the per-document fast path, and the batched alignment over
-  ``batch_docs`` documents at a time, given the teacher's spans and losses flat per batch as a
-  Parquet row group holds them.
+* ``align_documents``: the pipeline's batch API :func:`pipeline.align.align_documents` (what
+  stage 2 calls) over ``batch_docs`` documents per call, checked equal to ``align`` bit for bit.
+  The figure is the faster of the pipeline's two ways.
 
 The DTW baseline (:mod:`pipeline.bench.dtw`) is O(N M) per document, so it runs on a few documents
 of typical length (closest to the median student length), timed against ``align_document`` on
@@ -45,7 +41,7 @@ class AlignmentBenchConfig:
     student: str = "llama-spm"
     teacher: str = "qwen2"
     aggregate: str = "max"
-    batch_docs: int = 64  # documents per call of the batched proposal
+    batch_docs: int = 64  # documents per align_documents call
     profile: bool = True
     dtw_docs: int = 4  # documents through DTW (at most; the time budget may stop earlier)
     dtw_budget_s: float = 20.0
@@ -55,9 +51,8 @@ class AlignmentBenchConfig:
 
 
 def run(cfg: AlignmentBenchConfig, student_tokenizer, teacher_tokenizer) -> dict:
-    from pipeline.align import align_document
+    from pipeline.align import align_document, align_documents
     from pipeline.bench.inputs import math_texts
-    from pipeline.bench.proposals import align_batch_max, fast_align_max
     from pipeline.tokenization import encode_batch
 
     texts = math_texts(cfg.min_bytes, cfg.seed)
@@ -79,36 +74,18 @@ def run(cfg: AlignmentBenchConfig, student_tokenizer, teacher_tokenizer) -> dict
     def align():
         return [align_document(s, t.starts, t.ends, l, cfg.aggregate) for s, t, l in zip(student, teacher, losses)]
 
-    def align_fast_doc():
-        return [fast_align_max(s.starts, s.ends, t.starts, t.ends, l) for s, t, l in zip(student, teacher, losses)]
-
-    batches = _batches(student, teacher, losses, [len(t) for t in texts], cfg.batch_docs)
+    groups = [(student[k : k + cfg.batch_docs], [(t.starts, t.ends, l) for t, l in
+               zip(teacher[k : k + cfg.batch_docs], losses[k : k + cfg.batch_docs])])
+              for k in range(0, len(student), cfg.batch_docs)]
 
     def align_batched():
-        return [align_batch_max(*b) for b in batches]
+        return [align_documents(s, t, cfg.aggregate) for s, t in groups]
 
     reference = [r.teacher_loss for r in align()]
-    fast_doc = align_fast_doc()
-    batched = [x for out in align_batched() for x in (out if out is not None else [None] * cfg.batch_docs)]
-    exact = {
-        "align_fast_doc": cfg.aggregate == "max" and _same(reference, fast_doc),
-        "align_batched": cfg.aggregate == "max" and _same(reference, batched),
-    }
+    exact = _same(reference, [a.teacher_loss for out in align_batched() for a in out])
     sides = {"tokenize": tokenize, "align": align}
-    batch_api = getattr(__import__("pipeline.align", fromlist=["align"]), "align_documents", None)
-    if batch_api is not None:
-        groups = [(student[k : k + cfg.batch_docs], [(t.starts, t.ends, l) for t, l in
-                   zip(teacher[k : k + cfg.batch_docs], losses[k : k + cfg.batch_docs])])
-                  for k in range(0, len(student), cfg.batch_docs)]
-
-        def align_documents():
-            return [batch_api(s, t, cfg.aggregate) for s, t in groups]
-
-        exact["align_documents"] = _same(reference, [a.teacher_loss for out in align_documents() for a in out])
-        if exact["align_documents"]:
-            sides["align_documents"] = align_documents
-    sides.update({name: fn for name, fn in (("align_fast_doc", align_fast_doc), ("align_batched", align_batched))
-                  if exact[name]})
+    if exact:
+        sides["align_documents"] = align_batched
     samples = interleaved(sides, cfg.repeats, cfg.warmup)
 
     per_document = ratio(samples["align"].cpu, samples["tokenize"].cpu)
@@ -129,14 +106,11 @@ def run(cfg: AlignmentBenchConfig, student_tokenizer, teacher_tokenizer) -> dict
         "cost_wall": cost_wall,
         "align_ns_per_student_token": 1e9 * statistics.median(samples[fastest].cpu) / sum(n_student),
         "tokenize_ns_per_student_token": 1e9 * statistics.median(samples["tokenize"].cpu) / sum(n_student),
-        "proposals_exact": exact,
+        "align_documents_exact": exact,
     }
-    for name in ("align_fast_doc", "align_batched"):
-        if name in samples:
-            result[f"cost_{name}_cpu"] = ratio(samples[name].cpu, samples["tokenize"].cpu)
     if cfg.profile:
-        result["profile"] = _profile(align)
-        result["steps"] = _steps(student, teacher, losses, statistics.median(samples["tokenize"].cpu))
+        result["profile"] = _profile(align_batched)
+        result["steps"] = _steps(groups, cfg.aggregate, statistics.median(samples["tokenize"].cpu))
     result["dtw"] = _dtw(cfg, student_tokenizer, teacher_tokenizer, student, teacher, losses,
                          statistics.median(samples["align"].cpu))
 
@@ -161,33 +135,14 @@ def _cost_note(r: dict, cfg: AlignmentBenchConfig) -> str:
     if r["cost_method"] != "align_document per document":
         note += f"; align_document per document: {r['cost_per_document_cpu']['median']:.3f}"
     if "steps" in r:
-        note += "; align_document, where it goes (CPU, as a share of tokenization): " + ", ".join(
+        note += "; align_documents, where it goes (CPU, as a share of tokenization): " + ", ".join(
             f"{name.split(' (')[0]} {v['of_tokenization']:.3f}" for name, v in r["steps"].items())
-    for name, label in (("align_fast_doc", "per-document fast path"), ("align_batched", "batched alignment")):
-        if f"cost_{name}_cpu" in r:
-            note += f"; proposal, {label} (identical output): {r[f'cost_{name}_cpu']['median']:.3f}"
     return note
 
 
 def _same(reference: list[np.ndarray], candidate: list) -> bool:
     return len(reference) == len(candidate) and all(
         c is not None and np.array_equal(r, c, equal_nan=True) for r, c in zip(reference, candidate))
-
-
-def _batches(student, teacher, losses, text_lengths, size: int) -> list[tuple]:
-    """Arguments of :func:`align_batch_max` per batch of ``size`` documents; the teacher side flat,
-    as the values and offsets of a Parquet row group's list columns are."""
-    out = []
-    for k in range(0, len(student), size):
-        t = teacher[k : k + size]
-        offsets = np.zeros(len(t) + 1, dtype=np.int64)
-        np.cumsum([len(e) for e in t], out=offsets[1:])
-        out.append((
-            [e.starts for e in student[k : k + size]], [e.ends for e in student[k : k + size]],
-            np.concatenate([e.starts for e in t]), np.concatenate([e.ends for e in t]),
-            np.concatenate(losses[k : k + size]), offsets, text_lengths[k : k + size],
-        ))
-    return out
 
 
 def _dtw_note(d: dict) -> str:
@@ -202,7 +157,7 @@ def _dtw_note(d: dict) -> str:
 
 
 def _profile(fn) -> dict:
-    """Where ``align_document``'s time goes: top functions by own time, as shares of the total."""
+    """Where ``align_documents``' time goes: top functions by own time, as shares of the total."""
     profiler = cProfile.Profile()
     profiler.enable()
     fn()
@@ -218,25 +173,18 @@ def _profile(fn) -> dict:
             "note": "cProfile adds per-call overhead; shares of own time, not absolute costs"}
 
 
-def _steps(student, teacher, losses, tokenize_cpu: float) -> dict:
-    """CPU seconds of each step of ``align_document`` over all documents (min of 3 runs), and as a
+def _steps(groups: list[tuple], how: str, tokenize_cpu: float) -> dict:
+    """CPU seconds of each step of ``align_documents`` over all batches (min of 3 runs), and as a
     share of the student tokenization: exactly where the alignment time goes."""
-    from pipeline.align import _grouped_reduce, align_document, align_spans, overlap_pairs
+    from pipeline.align import _align_monotone, _SharedLine, align_documents
 
-    pairs = [overlap_pairs(s.starts, s.ends, t.starts, t.ends) for s, t in zip(student, teacher)]
+    lines = [_SharedLine.of(s, t) for s, t in groups]
     steps = {
-        "int64 copies of the four offset arrays (align_spans converts them again inside overlap_pairs)":
-            lambda: [[np.asarray(x, dtype=np.int64) for x in (s.starts, s.ends, t.starts, t.ends)]
-                     for s, t in zip(student, teacher)],
-        "align_spans (range search)": lambda: [align_spans(s.starts, s.ends, t.starts, t.ends)
-                                               for s, t in zip(student, teacher)],
-        "overlap_pairs (align_spans + pair expansion + exact-overlap filter)":
-            lambda: [overlap_pairs(s.starts, s.ends, t.starts, t.ends) for s, t in zip(student, teacher)],
-        "_grouped_reduce (float64 max over the pairs)":
-            lambda: [_grouped_reduce(o, np.asarray(l, np.float64)[j], len(s), "max")
-                     for (o, j), s, l in zip(pairs, student, losses)],
-        "align_document (all of it)": lambda: [align_document(s, t.starts, t.ends, l)
-                                               for s, t, l in zip(student, teacher, losses)],
+        "shared line (concatenate and shift the spans)": lambda: [_SharedLine.of(s, t) for s, t in groups],
+        "fast-path check (teacher starts and ends non-decreasing)":
+            lambda: [line.non_monotone_documents() for line in lines],
+        "fast path (range counts, pair expansion, reduction)": lambda: [_align_monotone(line, how) for line in lines],
+        "align_documents (all of it)": lambda: [align_documents(s, t, how) for s, t in groups],
     }
     out = {}
     for name, fn in steps.items():
