@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["CORPUS_SCHEMA", "generate_documents", "build_sample_corpus", "clean_texts"]
+__all__ = ["CORPUS_SCHEMA", "generate_documents", "build_sample_corpus", "clean_texts", "arithmetic_problems"]
 
 CORPUS_SCHEMA = pa.schema(
     [
@@ -961,32 +961,49 @@ def _bad_rows(n_docs: int) -> dict[int, str | None]:
     return {(2 * k + 1) * n_docs // 12: text for k, text in enumerate(BAD_TEXTS)}
 
 
-def _page(index: int, rng: random.Random, bad_rows: dict[int, str | None]) -> Page:
+def _page(index: int, rng: random.Random, bad_rows: dict[int, str | None], noise_share: float = NOISE_SHARE) -> Page:
     if index in bad_rows:
         return Page(bad_rows[index], "empty", "empty", "empty")
     if index % 100 == LONG_SLOT:
         return _long_page(rng)
     if index % 100 == SPECIAL_SLOT:
         return _special_token_page(rng)
-    if rng.random() < NOISE_SHARE:
+    if rng.random() < noise_share:
         return _noise_page(rng)
     return _clean_page(rng)
 
 
-def generate_documents(n_docs: int, seed: int = 0) -> list[dict]:
-    """``n_docs`` documents as dicts with keys url, text, date, metadata (a JSON string)."""
+def generate_documents(n_docs: int, seed: int = 0, noise_share: float = NOISE_SHARE) -> list[dict]:
+    """``n_docs`` documents as dicts with keys url, text, date, metadata (a JSON string).
+
+    ``noise_share`` is the chance that an ordinary slot holds a noise page (the long-page,
+    special-token and empty slots are fixed); the default gives the embedded sample corpus.
+    """
     if n_docs < 0:
         raise ValueError(f"n_docs must be >= 0, got {n_docs}")
+    if not 0.0 <= noise_share <= 1.0:
+        raise ValueError(f"noise_share must be in [0, 1], got {noise_share}")
     bad_rows = _bad_rows(n_docs)
     documents = []
     for index in range(n_docs):
         rng = random.Random(f"{seed}/{index}")
-        page = _page(index, rng, bad_rows)
+        page = _page(index, rng, bad_rows, noise_share)
         documents.append(
             {"url": _url(index, page, rng), "text": page.text, "date": _date(rng),
              "metadata": _metadata(page, rng)}
         )
     return documents
+
+
+def arithmetic_problems(n: int, seed: int) -> list[Problem]:
+    """``n`` worked problems (multiplication, addition, subtraction) whose answers start with
+    ``a op b = c`` and then restate ``c``; deterministic in ``seed`` (for evaluation prompts)."""
+    makers = (_multiply_problem, _add_problem, _subtract_problem)
+    out = []
+    for index in range(n):
+        rng = random.Random(f"arithmetic/{seed}/{index}")
+        out.append(makers[index % len(makers)](rng))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1063,7 +1080,8 @@ def _split(documents: list[dict], parts: int) -> list[list[dict]]:
 
 
 def build_sample_corpus(
-    out_dir: str | os.PathLike, n_docs: int = 3000, n_files: int = 4, seed: int = 0
+    out_dir: str | os.PathLike, n_docs: int = 3000, n_files: int = 4, seed: int = 0,
+    noise_share: float = NOISE_SHARE,
 ) -> list[pathlib.Path]:
     """Write the corpus as ``n_files`` Parquet shards under ``out_dir`` and return their paths.
 
@@ -1074,11 +1092,13 @@ def build_sample_corpus(
         raise ValueError(f"n_files must be >= 1, got {n_files}")
     out_dir = pathlib.Path(out_dir)
     params = {"n_docs": n_docs, "n_files": n_files, "seed": seed, "version": GENERATOR_VERSION}
+    if noise_share != NOISE_SHARE:  # absent for the default, so existing builds stay valid
+        params["noise_share"] = noise_share
     cached = _cached_paths(out_dir, params)
     if cached is not None:
         return cached
 
-    documents = generate_documents(n_docs, seed)
+    documents = generate_documents(n_docs, seed, noise_share)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_previous_build(out_dir)
     paths = [out_dir / name for name in _file_names(n_files)]

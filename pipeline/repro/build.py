@@ -1,0 +1,172 @@
+"""What the toy-scale experiment is made of: its corpora, teachers and students, built and cached.
+
+Each builder is deterministic and returns a cached result when its parameters match a stamp in
+the folder, so a rerun of ``make repro`` rebuilds nothing that is already there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from pipeline.embedded.sample_corpus import build_sample_corpus, clean_texts, generate_documents
+from pipeline.embedded.tiny_student import ARCHITECTURE_KEYS, TinyStudentSpec, train_student_tokenizer
+from pipeline.embedded.tiny_teacher import TinyTeacherSpec, build_tiny_teacher, train_tokenizer
+
+STAMP = "_REPRO_BUILD.json"
+STUDENT_TOKENIZERS = ("sentencepiece_bpe", "byte_level_bpe")
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    student_docs: int = 400  # the corpus the students train on (mixed)
+    noise_share: float = 0.5  # chance that a page of the student corpus is noise
+    teacher_docs: int = 1500  # clean pages the teachers train on
+    held_out_docs: int = 80  # clean pages nobody trains on (evaluation)
+    seed: int = 11  # student corpus; the teacher corpus uses seed + 1, held-out pages seed + 2
+
+
+@dataclass(frozen=True)
+class StudentSpec:
+    name: str
+    tokenizer: str  # one of STUDENT_TOKENIZERS
+    vocab_size: int
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    context: int = 512
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    name: str
+    steps: int
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    seed: int = 0
+
+
+@dataclass
+class Corpora:
+    student_files: list[Path]
+    teacher_texts: list[str]
+    held_out: list[str]
+    noise_texts: list[str] = field(default_factory=list)  # noise pages of the student corpus
+
+    def describe(self) -> dict:
+        kinds: dict[str, int] = {}
+        chars: dict[str, int] = {}
+        for f in self.student_files:
+            t = pq.read_table(f, columns=["text", "metadata"]).to_pydict()
+            for text, meta in zip(t["text"], t["metadata"]):
+                kind = json.loads(meta or "{}").get("kind", "?")
+                kinds[kind] = kinds.get(kind, 0) + 1
+                chars[kind] = chars.get(kind, 0) + len(text or "")
+        total = sum(chars.values()) or 1
+        return {"student_docs_by_kind": kinds, "student_chars_by_kind": chars,
+                "noise_char_share": round(chars.get("noise", 0) / total, 4),
+                "teacher_docs": len(self.teacher_texts), "teacher_chars": sum(map(len, self.teacher_texts)),
+                "held_out_docs": len(self.held_out), "held_out_bytes": sum(len(t.encode()) for t in self.held_out)}
+
+
+def build_corpora(root: str | os.PathLike, spec: CorpusSpec) -> Corpora:
+    """The student corpus (Parquet in OpenWebMath's schema), the teachers' clean texts and the
+    held-out clean pages (no long problem collections, which would dominate the evaluation)."""
+    root = Path(root)
+    student_files = build_sample_corpus(root / f"student-corpus-n{spec.student_docs}-s{spec.seed}",
+                                        n_docs=spec.student_docs, n_files=4, seed=spec.seed,
+                                        noise_share=spec.noise_share)
+    teacher_files = build_sample_corpus(root / f"teacher-corpus-n{spec.teacher_docs}-s{spec.seed + 1}",
+                                        n_docs=spec.teacher_docs, n_files=2, seed=spec.seed + 1, noise_share=0.0)
+    held_out = []
+    for doc in generate_documents(spec.held_out_docs * 2, seed=spec.seed + 2, noise_share=0.0):
+        meta = json.loads(doc["metadata"])
+        if doc["text"] and doc["text"].strip() and meta["kind"] == "clean" and "long" not in meta["features"]:
+            held_out.append(doc["text"])
+    noise = []
+    for f in student_files:
+        t = pq.read_table(f, columns=["text", "metadata"]).to_pydict()
+        noise += [x for x, m in zip(t["text"], t["metadata"]) if x and json.loads(m).get("kind") == "noise"]
+    return Corpora(student_files, clean_texts(teacher_files), held_out[: spec.held_out_docs], noise)
+
+
+def build_teacher(root: str | os.PathLike, spec: TeacherSpec, corpora: Corpora) -> Path:
+    """A tiny byte-level-BPE Qwen2 teacher trained on the clean teacher corpus (cached)."""
+    tiny = TinyTeacherSpec(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                           intermediate_size=spec.intermediate_size, num_layers=spec.num_layers,
+                           steps=spec.steps, seed=spec.seed)
+    return build_tiny_teacher(corpora.teacher_texts, Path(root) / f"teacher-{spec.name}", tiny,
+                              eval_texts={"clean_held_out": corpora.held_out, "noise": corpora.noise_texts[:200]})
+
+
+def _stamp_matches(folder: Path, params: dict) -> bool:
+    try:
+        return json.loads((folder / STAMP).read_text())["params"] == params
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _student_tokenizer(spec: StudentSpec, texts: list[str]):
+    if spec.tokenizer == "sentencepiece_bpe":
+        return train_student_tokenizer(texts, spec.vocab_size)
+    if spec.tokenizer == "byte_level_bpe":
+        return train_tokenizer(texts, spec.vocab_size)
+    raise ValueError(f"student tokenizer {spec.tokenizer!r} is not one of {', '.join(STUDENT_TOKENIZERS)}")
+
+
+def build_student(root: str | os.PathLike, spec: StudentSpec, seed: int, corpora: Corpora) -> Path:
+    """A random-init Llama student in a HF folder with its own tokenizer, one per seed (cached).
+
+    The tokenizer is trained on the teachers' clean texts (a tokenizer made from general text, not
+    from the training corpus); it depends on the spec only, so all seeds of a student share it.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = Path(root)
+    folder = root / f"student-{spec.name}-s{seed}"
+    params = {"spec": asdict(spec), "seed": seed, "n_texts": len(corpora.teacher_texts)}
+    if _stamp_matches(folder, params):
+        return folder
+    tok_folder = root / f"tokenizer-{spec.name}"
+    if _stamp_matches(tok_folder, params | {"seed": None}):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_folder)
+    else:
+        tokenizer = _student_tokenizer(spec, corpora.teacher_texts)
+        _save(tok_folder, params | {"seed": None}, tokenizer.save_pretrained)
+
+    torch.manual_seed(seed)
+    sizes = TinyStudentSpec(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                            num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                            context=spec.context)
+    architecture = {hf_key: getattr(sizes, key) for key, hf_key in ARCHITECTURE_KEYS.items()}
+    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=None, **architecture)
+    model = LlamaForCausalLM(config)
+
+    def save(work: Path) -> None:
+        model.save_pretrained(work, safe_serialization=True)
+        tokenizer.save_pretrained(work)
+
+    _save(folder, params, save)
+    return folder
+
+
+def _save(folder: Path, params: dict, write) -> None:
+    """Write into a temporary sibling, stamp it, then swap it in (whole or absent)."""
+    work = folder.with_name(folder.name + ".building")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    write(work)
+    (work / STAMP).write_text(json.dumps({"params": params}, indent=1) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(work, folder)
