@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: setup score-teacher train-student inspect validate vocab-overlap align-report test test-slow bench repro clean
+.PHONY: setup score-teacher train-student inspect validate vocab-overlap align-report test test-slow bench repro eval-student compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,13 @@ test-slow: setup
 
 bench: setup
 	$(PY) -m stages.bench $(ARGS)
+
+# Few-shot chain-of-thought math accuracy of a checkpoint; results side by side
+eval-student: setup
+	$(PY) -m stages.eval_student $(ARGS)
+
+compare: setup
+	$(PY) -m stages.compare $(ARGS)
 
 # The paper's claims at toy scale (stage 1 + stage 2 + evaluation, 3 seeds): repro-results/report.md
 repro: setup

@@ -1,0 +1,159 @@
+"""Evaluation entry point: ``python -m stages.eval_student checkpoint=<dir or hub id> [key=value ...]``
+(``make eval-student ARGS="..."``). Configuration: ``conf/eval_student.yaml``.
+
+Steps: compose and check the config (every problem at once, missing task files included), read the
+task files and exemplars, load the checkpoint, generate greedily with few-shot chain-of-thought
+prompts, score, write ``eval.json``, ``samples.jsonl`` and ``eval.md`` to
+``<eval_root>/<label>`` (or ``out_dir``), print the table. A missing or malformed task file ends
+with one line naming the file and line, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.utils import to_absolute_path
+from omegaconf import DictConfig
+
+from pipeline.evaluation.generation import GenerationConfig
+from pipeline.evaluation.run import FEWSHOT_SOURCES, EvalJobConfig, TaskInput, run_evaluation
+from pipeline.evaluation.tasks import TASKS
+from stages.common import exit_on_user_error, plain, quiet_libraries, raise_if, typed
+
+BACKENDS = ("transformers", "vllm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def job_config(cfg: DictConfig) -> EvalJobConfig:
+    """The typed job; every problem of the configuration is reported at once."""
+    problems: list[str] = []
+    checkpoint = _checkpoint(cfg.checkpoint, problems)
+    tasks = _task_inputs(cfg, problems)
+    generation = typed(GenerationConfig, {**plain(cfg, "generation"), "model": checkpoint, "revision": cfg.revision},
+                       "generation", problems)
+    if generation is not None:
+        problems += _generation_problems(generation)
+    problems += _count_problems(cfg)
+    if cfg.fewshot_source not in FEWSHOT_SOURCES:
+        problems.append(f"fewshot_source: {cfg.fewshot_source!r} is not one of {', '.join(FEWSHOT_SOURCES)}")
+    raise_if(problems)
+    label = cfg.label or run_name(checkpoint)
+    out_dir = to_absolute_path(cfg.out_dir) if cfg.out_dir else to_absolute_path(str(Path(cfg.eval_root) / label))
+    return EvalJobConfig(generation=generation, tasks=tasks, output_dir=out_dir, num_fewshot=cfg.num_fewshot,
+                         fewshot_source=cfg.fewshot_source, limit=cfg.limit, label=label, progress=bool(cfg.progress))
+
+
+def _checkpoint(checkpoint: str | None, problems: list[str]) -> str:
+    """A local folder becomes an absolute path; anything shaped like a hub id stays as it is."""
+    if not checkpoint:
+        problems.append("checkpoint: required (a local checkpoint folder or a hub id)")
+        return ""
+    local = Path(to_absolute_path(str(checkpoint)))
+    if local.is_dir():
+        return str(local)
+    if not HUB_ID.fullmatch(str(checkpoint)):
+        problems.append(f"checkpoint: {checkpoint} is not a folder (and not a hub id)")
+    return str(checkpoint)
+
+
+def _task_inputs(cfg: DictConfig, problems: list[str]) -> list[TaskInput]:
+    names = list(cfg.tasks) if cfg.tasks is not None else []
+    unknown = [t for t in names if t not in TASKS]
+    if not names:
+        problems.append("tasks: give at least one task")
+    if unknown:
+        problems.append(f"tasks: unknown {', '.join(map(str, unknown))} (known: {', '.join(TASKS)})")
+    if len(set(names)) != len(names):
+        problems.append(f"tasks: {names} repeats a task")
+    inputs = []
+    for name in (t for t in dict.fromkeys(names) if t in TASKS):
+        data = _task_file(cfg.data_files[name], cfg.data_dir, name)
+        fewshot = _task_file(cfg.fewshot_files[name], cfg.fewshot_dir, name)
+        if data is None:
+            problems.append(f"{name}: no task file (data_files.{name}=<file.jsonl> or data_dir=<dir with {name}.jsonl>)")
+        elif not Path(data).is_file():
+            problems.append(f"{name}: task file not found: {data}")
+        if fewshot is not None and not Path(fewshot).is_file():
+            if cfg.fewshot_files[name] is not None:
+                problems.append(f"{name}: few-shot file not found: {fewshot}")
+            else:
+                fewshot = None  # fewshot_dir need not hold every task
+        inputs.append(TaskInput(name=name, data_file=data or "", fewshot_file=fewshot))
+    return inputs
+
+
+def _task_file(explicit: str | None, folder: str | None, task: str) -> str | None:
+    if explicit:
+        return to_absolute_path(explicit)
+    return to_absolute_path(str(Path(folder) / f"{task}.jsonl")) if folder else None
+
+
+def _generation_problems(g: GenerationConfig) -> list[str]:
+    problems = []
+    if g.backend not in BACKENDS:
+        problems.append(f"generation.backend: {g.backend!r} is not one of {', '.join(BACKENDS)}")
+    if g.dtype not in DTYPES:
+        problems.append(f"generation.dtype: {g.dtype!r} is not one of {', '.join(DTYPES)}")
+    for key in ("batch_size", "max_new_tokens"):
+        if not (isinstance(getattr(g, key), int) and getattr(g, key) >= 1):
+            problems.append(f"generation.{key}: {getattr(g, key)!r} must be a positive integer")
+    if g.cpu_threads is not None and not (isinstance(g.cpu_threads, int) and g.cpu_threads >= 1):
+        problems.append(f"generation.cpu_threads: {g.cpu_threads!r} must be null or a positive integer")
+    return problems
+
+
+def _count_problems(cfg: DictConfig) -> list[str]:
+    problems = []
+    if cfg.num_fewshot is not None and not (isinstance(cfg.num_fewshot, int) and cfg.num_fewshot >= 0):
+        problems.append(f"num_fewshot: {cfg.num_fewshot!r} must be null or an integer >= 0")
+    if cfg.limit is not None and not (isinstance(cfg.limit, int) and cfg.limit >= 1):
+        problems.append(f"limit: {cfg.limit!r} must be null or a positive integer")
+    return problems
+
+
+def run_name(checkpoint: str) -> str:
+    """A folder name for a checkpoint: ``<run>-final`` / ``<run>-checkpoint-N`` for train-student's
+    folders, the folder name otherwise, ``owner--name`` for a hub id."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        last = path.name
+        return f"{path.parent.name}-{last}" if last == "final" or last.startswith("checkpoint-") else last
+    return checkpoint.replace("/", "--")
+
+
+def print_result(record: dict, out_dir: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.evaluation.run import identity_summary
+
+    table = Table(title=f"eval-student: {record['label']}", title_justify="left")
+    for col in ("task", "shots", "n", "correct", "accuracy", "no answer"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for name, r in record["tasks"].items():
+        table.add_row(name, str(r["comparable"]["num_fewshot"]), str(r["n"]), str(r["correct"]),
+                      f"{100 * r['accuracy']:.1f}%", str(r["no_answer"]))
+    console = Console()
+    console.print(table)
+    s = record["settings"]
+    console.print(f"checkpoint {record['checkpoint']} ({identity_summary(record['identity'])}); {s['backend']} on "
+                  f"{s['device']}, {s['dtype']}; {record['truncated_prompts']} prompt(s) cut to fit the context; "
+                  f"{record['seconds']:.1f}s", markup=False, highlight=False)
+    console.print(f"Wrote {Path(out_dir) / 'eval.json'}, eval.md, samples.jsonl", markup=False, highlight=False)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="eval_student")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    quiet_libraries()
+    job = job_config(cfg)
+    record = run_evaluation(job)
+    print_result(record, job.output_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
