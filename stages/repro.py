@@ -22,7 +22,15 @@ from hydra import compose
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.repro.build import CorpusSpec, StudentSpec, TeacherSpec, build_corpora, build_student, build_teacher
+from pipeline.repro.build import (
+    CorpusSpec,
+    PretrainSpec,
+    StudentSpec,
+    TeacherSpec,
+    build_corpora,
+    build_student,
+    build_teacher,
+)
 from stages.common import exit_on_user_error, plain, quiet_libraries, raise_if
 
 log = logging.getLogger("repro")
@@ -64,7 +72,7 @@ def score(cfg: DictConfig, teachers: dict[str, Path], corpus_files: list[Path]) 
     return folders
 
 
-def tasks(cfg: DictConfig, scored: dict[str, str], students: dict[tuple[str, int], Path], held_out: list[str]):
+def tasks(cfg: DictConfig, scored: dict[str, str], students: dict[str, Path], held_out: list[str]):
     from pipeline.repro.runner import RunTask
     from stages.train_student import job_config
 
@@ -74,7 +82,7 @@ def tasks(cfg: DictConfig, scored: dict[str, str], students: dict[tuple[str, int
         for arm_name, arm in cfg.arms.items():
             overrides = [
                 *cfg.train_overrides, *arm.overrides,
-                f"student.model={students[(arm.student, seed)]}", f"student.name={arm.student}", "student.embedded=false",
+                f"student.model={students[arm.student]}", f"student.name={arm.student}", "student.embedded=false",
                 f"data.folders=[{scored[arm.teacher]}]", f"data.teacher={arm.teacher}", "data.corpus=repro",
                 f"data.seed={seed}", f"train.seed={seed}", f"train.max_steps={cfg.train_steps}",
                 f"data.cache_dir={work / 'cache'}", f"output_dir={work / 'students' / arm_name / f'seed{seed}'}",
@@ -105,8 +113,9 @@ def main(cfg: DictConfig) -> None:
     used_students = sorted({arm.student for arm in cfg.arms.values()})
     teachers = {name: build_teacher(artifacts, TeacherSpec(name=name, **plain(cfg.teachers[name])), corpora)
                 for name in used_teachers}
-    students = {(name, seed): build_student(artifacts, StudentSpec(name=name, **plain(cfg.students[name])), seed, corpora)
-                for name in used_students for seed in cfg.seeds}
+    pretrain = PretrainSpec(**plain(cfg, "pretrain"))
+    students = {name: build_student(artifacts, StudentSpec(name=name, **plain(cfg.students[name])), corpora, pretrain)
+                for name in used_students}
     build_s = time.perf_counter() - t0
     scored = score(cfg, teachers, corpora.student_files)
     score_s = time.perf_counter() - t0 - build_s
@@ -121,6 +130,7 @@ def main(cfg: DictConfig) -> None:
 
     results = run_tasks(run_list, cfg.parallel, on_result=progress)
     bar.close()
+    baselines = {name: base_scores(folder, corpora.held_out, cfg) for name, folder in students.items()}
 
     setup = {
         "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -131,6 +141,8 @@ def main(cfg: DictConfig) -> None:
         "corpora": corpora.describe(),
         "teachers": {n: json.loads((p / "_BUILD.json").read_text()) for n, p in teachers.items()},
         "students": {n: plain(cfg.students[n]) for n in used_students},
+        "pretrain": plain(cfg, "pretrain"),
+        "base_students": baselines,
         "train_overrides": list(cfg.train_overrides),
     }
     readme = Path(to_absolute_path(cfg.readme)) if cfg.readme else None
@@ -138,6 +150,22 @@ def main(cfg: DictConfig) -> None:
     for c in record["claims"]:
         print(f"claim {c['claim']}: {c['verdict']:<14} {c['text']}")
     print(f"report: {Path(cfg.report_dir) / 'report.md'} ({setup['seconds'] / 60:.1f} min)")
+
+
+def base_scores(folder: Path, held_out: list[str], cfg: DictConfig) -> dict:
+    """The base student's scores before continual pretraining (cached next to it)."""
+    from pipeline.repro.evaluate import completion_items, evaluate_model
+
+    cache = folder / "repro_base_scores.json"
+    key = {"held_out": len(held_out), "completions": cfg.eval.completions, "window": cfg.eval.window,
+           "seeds": list(cfg.seeds)}
+    if cache.is_file() and json.loads(cache.read_text()).get("key") == key:
+        return json.loads(cache.read_text())["scores"]
+    items = [i for seed in cfg.seeds for i in completion_items(cfg.eval.completions, 1000 + seed)]
+    scores = evaluate_model(str(folder), held_out, items, cfg.eval.window)
+    scores.pop("completions")
+    cache.write_text(json.dumps({"key": key, "scores": scores}))
+    return scores
 
 
 def _cpus() -> int:

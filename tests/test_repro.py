@@ -197,6 +197,7 @@ def test_make_repro_end_to_end_small(tmp_path):
         f"artifacts_dir={tmp_path / 'artifacts'}", f"work_dir={tmp_path / 'work'}", f"report_dir={tmp_path / 'report'}",
         f"readme={readme}", "corpus.student_docs=36", "corpus.teacher_docs=60", "corpus.held_out_docs=4",
         "teachers.strong.steps=3", "students.spm.vocab_size=600", "students.bbpe.vocab_size=300",
+        "corpus.pretrain_docs=30", "pretrain.steps=3", "pretrain.block=64", "pretrain.batch_size=2",
         "seeds=[0,1]", "train_steps=2", "eval.completions=4", "eval.window=64",
         "train_overrides=[" + ",".join(f"'{o}'" for o in (
             "student.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "train.logging_steps=1",
@@ -215,6 +216,9 @@ def test_make_repro_end_to_end_small(tmp_path):
     assert (Path(report["runs"][0]["scored_folder"]) / "manifest.json").is_file()
     assert not (tmp_path / "artifacts" / "teacher-weak").exists()
     assert "| guided |" in readme.read_text()
+    bases = report["setup"]["base_students"]  # both base students evaluated before continual pretraining
+    assert set(bases) == {"spm", "bbpe"} and all(0 < b["bits_per_byte"] < 20 for b in bases.values())
+    assert (tmp_path / "artifacts" / "student-spm-base" / "pretraining.json").is_file()
     assert (tmp_path / "report" / "report.png").is_file()
 
     # a rerun trains nothing: every run is read back from its result file

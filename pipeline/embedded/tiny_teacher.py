@@ -105,7 +105,7 @@ def build_tiny_teacher(
 ) -> Path:
     """Train (or return the cached) tiny teacher in ``out_dir``; see the module docstring."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments, default_data_collator
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     stamp_path = out_dir / "_BUILD.json"
@@ -139,28 +139,10 @@ def build_tiny_teacher(
     eval_blocks = {k: _packed_blocks(tokenizer, v, spec.block)[:32] for k, v in (eval_texts or {}).items()}
     before = {k: _mean_loss(model, b) for k, b in eval_blocks.items()}
 
-    dataset = [{"input_ids": b, "labels": b} for b in blocks]
     work = out_dir.with_name(out_dir.name + ".building")
     shutil.rmtree(work, ignore_errors=True)
-    args = TrainingArguments(
-        output_dir=str(work / "trainer"),
-        per_device_train_batch_size=spec.batch_size,
-        max_steps=spec.steps,
-        learning_rate=spec.learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(1, spec.steps // 20),
-        weight_decay=0.01,
-        logging_steps=max(1, spec.steps // 10),
-        save_strategy="no",
-        report_to=[],
-        seed=spec.seed,
-        data_seed=spec.seed,
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator)
-    train_out = trainer.train()
+    train_out = fit_blocks(model, blocks, work / "trainer", steps=spec.steps, batch_size=spec.batch_size,
+                           learning_rate=spec.learning_rate, seed=spec.seed)
     after = {k: _mean_loss(model, b) for k, b in eval_blocks.items()}
 
     model.save_pretrained(work, safe_serialization=True)
@@ -181,3 +163,31 @@ def build_tiny_teacher(
     os.replace(work, out_dir)
     log.info("tiny teacher built in %.0fs: %s", stamp["seconds"], stamp["eval_loss_after"])
     return out_dir
+
+
+def fit_blocks(model, blocks: list[list[int]], work_dir: str | os.PathLike, *, steps: int, batch_size: int,
+               learning_rate: float, seed: int):
+    """Train a causal LM on fixed-length token blocks with the HF Trainer on the CPU, deterministically
+    (cosine schedule, 5% warmup, no checkpoints); returns the Trainer's ``TrainOutput``."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    dataset = [{"input_ids": b, "labels": b} for b in blocks]
+    args = TrainingArguments(
+        output_dir=str(work_dir),
+        per_device_train_batch_size=batch_size,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 20),
+        weight_decay=0.01,
+        logging_steps=max(1, steps // 10),
+        save_strategy="no",
+        report_to=[],
+        seed=seed,
+        data_seed=seed,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator)
+    return trainer.train()

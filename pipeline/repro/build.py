@@ -28,7 +28,8 @@ class CorpusSpec:
     noise_share: float = 0.5  # chance that a page of the student corpus is noise
     teacher_docs: int = 1500  # clean pages the teachers train on
     held_out_docs: int = 80  # clean pages nobody trains on (evaluation)
-    seed: int = 11  # student corpus; the teacher corpus uses seed + 1, held-out pages seed + 2
+    pretrain_docs: int = 600  # the base students' general pretraining mixture (same noise share)
+    seed: int = 11  # student corpus; teacher corpus seed + 1, held-out pages seed + 2, pretraining seed + 3
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,16 @@ class StudentSpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     context: int = 512
+
+
+@dataclass(frozen=True)
+class PretrainSpec:
+    """How each base student is pretrained before continual pretraining (plain next-token loss)."""
+    steps: int = 300
+    batch_size: int = 8
+    block: int = 256
+    learning_rate: float = 2e-3
+    seed: int = 0  # initialisation and data order of the base
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class Corpora:
     teacher_texts: list[str]
     held_out: list[str]
     noise_texts: list[str] = field(default_factory=list)  # noise pages of the student corpus
+    pretrain_texts: list[str] = field(default_factory=list)  # the base students' pretraining mixture
 
     def describe(self) -> dict:
         kinds: dict[str, int] = {}
@@ -75,7 +87,8 @@ class Corpora:
         return {"student_docs_by_kind": kinds, "student_chars_by_kind": chars,
                 "noise_char_share": round(chars.get("noise", 0) / total, 4),
                 "teacher_docs": len(self.teacher_texts), "teacher_chars": sum(map(len, self.teacher_texts)),
-                "held_out_docs": len(self.held_out), "held_out_bytes": sum(len(t.encode()) for t in self.held_out)}
+                "held_out_docs": len(self.held_out), "held_out_bytes": sum(len(t.encode()) for t in self.held_out),
+                "pretrain_docs": len(self.pretrain_texts), "pretrain_chars": sum(map(len, self.pretrain_texts))}
 
 
 def build_corpora(root: str | os.PathLike, spec: CorpusSpec) -> Corpora:
@@ -96,7 +109,9 @@ def build_corpora(root: str | os.PathLike, spec: CorpusSpec) -> Corpora:
     for f in student_files:
         t = pq.read_table(f, columns=["text", "metadata"]).to_pydict()
         noise += [x for x, m in zip(t["text"], t["metadata"]) if x and json.loads(m).get("kind") == "noise"]
-    return Corpora(student_files, clean_texts(teacher_files), held_out[: spec.held_out_docs], noise)
+    pretrain = [d["text"] for d in generate_documents(spec.pretrain_docs, seed=spec.seed + 3, noise_share=spec.noise_share)
+                if d["text"] and d["text"].strip()]
+    return Corpora(student_files, clean_texts(teacher_files), held_out[: spec.held_out_docs], noise, pretrain)
 
 
 def build_teacher(root: str | os.PathLike, spec: TeacherSpec, corpora: Corpora) -> Path:
@@ -123,28 +138,28 @@ def _student_tokenizer(spec: StudentSpec, texts: list[str]):
     raise ValueError(f"student tokenizer {spec.tokenizer!r} is not one of {', '.join(STUDENT_TOKENIZERS)}")
 
 
-def build_student(root: str | os.PathLike, spec: StudentSpec, seed: int, corpora: Corpora) -> Path:
-    """A random-init Llama student in a HF folder with its own tokenizer, one per seed (cached).
+def build_student(root: str | os.PathLike, spec: StudentSpec, corpora: Corpora, pretrain: PretrainSpec) -> Path:
+    """The *base* student that continual pretraining starts from, as in the paper (TinyLlama is a
+    pretrained model): a random-init Llama with its own tokenizer, pretrained with the plain
+    next-token loss on a general mixture (math and noise pages, like the student corpus but drawn
+    from another seed). Cached; one base per student, shared by every seed and arm.
 
     The tokenizer is trained on the teachers' clean texts (a tokenizer made from general text, not
-    from the training corpus); it depends on the spec only, so all seeds of a student share it.
+    from the training corpus).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.embedded.tiny_teacher import fit_blocks
 
     root = Path(root)
-    folder = root / f"student-{spec.name}-s{seed}"
-    params = {"spec": asdict(spec), "seed": seed, "n_texts": len(corpora.teacher_texts)}
+    folder = root / f"student-{spec.name}-base"
+    params = {"spec": asdict(spec), "pretrain": asdict(pretrain), "n_texts": len(corpora.teacher_texts),
+              "n_pretrain_texts": len(corpora.pretrain_texts)}
     if _stamp_matches(folder, params):
         return folder
-    tok_folder = root / f"tokenizer-{spec.name}"
-    if _stamp_matches(tok_folder, params | {"seed": None}):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_folder)
-    else:
-        tokenizer = _student_tokenizer(spec, corpora.teacher_texts)
-        _save(tok_folder, params | {"seed": None}, tokenizer.save_pretrained)
-
-    torch.manual_seed(seed)
+    tokenizer = _student_tokenizer(spec, corpora.teacher_texts)
+    torch.manual_seed(pretrain.seed)
     sizes = TinyStudentSpec(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                             num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                             context=spec.context)
@@ -152,13 +167,29 @@ def build_student(root: str | os.PathLike, spec: StudentSpec, seed: int, corpora
     config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=None, **architecture)
     model = LlamaForCausalLM(config)
+    blocks = pack_blocks(tokenizer, corpora.pretrain_texts, pretrain.block)
 
     def save(work: Path) -> None:
+        out = fit_blocks(model, blocks, work / "trainer", steps=pretrain.steps, batch_size=pretrain.batch_size,
+                         learning_rate=pretrain.learning_rate, seed=pretrain.seed)
+        shutil.rmtree(work / "trainer", ignore_errors=True)
         model.save_pretrained(work, safe_serialization=True)
         tokenizer.save_pretrained(work)
+        (work / "pretraining.json").write_text(json.dumps({"final_train_loss": out.training_loss,
+                                                           "blocks": len(blocks), "n_params": model.num_parameters()}))
 
     _save(folder, params, save)
     return folder
+
+
+def pack_blocks(tokenizer, texts: list[str], block: int) -> list[list[int]]:
+    """Documents as stage 2 packs them (BOS if the tokenizer has one, the text, EOS), concatenated
+    and cut into ``block``-token blocks (the last partial block dropped)."""
+    head = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]:
+        ids += [*head, *enc, tokenizer.eos_token_id]
+    return [ids[i : i + block] for i in range(0, len(ids) - block + 1, block)]
 
 
 def _save(folder: Path, params: dict, write) -> None:

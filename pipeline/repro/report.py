@@ -212,6 +212,19 @@ def plot(arms: dict[str, ArmSummary], order: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def _base_lines(bases: dict) -> list[str]:
+    """The base students' scores before continual pretraining (every arm starts from them)."""
+    if not bases:
+        return []
+    lines = ["Base students (the starting point of every arm, before continual pretraining):", "",
+             "| student | held-out bits/byte | restate EM | arithmetic EM |", "|---|---|---|---|"]
+    for name, b in bases.items():
+        em = b.get("exact_match", {})
+        lines.append(f"| {name} | {b['bits_per_byte']:.4f} | {100 * em.get('restate', {}).get('accuracy', math.nan):.1f}% | "
+                     f"{100 * em.get('arithmetic', {}).get('accuracy', math.nan):.1f}% |")
+    return [*lines, ""]
+
+
 def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Path, readme: Path | None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = summarize(results)
@@ -225,6 +238,7 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
         f"{setup['machine']}.", "",
         "## Claims", "", claim_table, "",
         "## Arms", "", table, "",
+        *_base_lines(setup.get("base_students") or {}),
         "Bits per byte: summed next-token loss on held-out clean math pages / their UTF-8 bytes (fair across "
         "tokenizers). Restate EM: greedy completion of the answer restated after a worked equation; arithmetic "
         "EM: the equation's result itself. Kept share: the share of tokens trained in the last logged steps.", "",
