@@ -227,3 +227,22 @@ def test_make_repro_end_to_end_small(tmp_path):
     assert proc2.stderr.count("(cached)") + proc2.stdout.count("(cached)") == 6
     again = json.loads((tmp_path / "report" / "report.json").read_text())
     assert [r["bits_per_byte"] for r in again["runs"]] == [r["bits_per_byte"] for r in report["runs"]]
+
+
+def test_bad_settings_end_with_one_line_and_exit_2(tmp_path):
+    args = [sys.executable, "-m", "stages.repro", "arms.guided.teacher=nobody", "seeds=[]",
+            f"artifacts_dir={tmp_path / 'a'}", f"work_dir={tmp_path / 'w'}", f"hydra.run.dir={tmp_path / 'h'}"]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "seeds: at least one seed is needed" in proc.stderr
+    assert "arms.guided.teacher: 'nobody' is not one of strong, weak" in proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "w").exists()  # refused before building anything
+
+
+def test_a_student_vocabulary_too_small_is_refused():
+    from pipeline.repro.build import StudentSpec, _student_tokenizer
+
+    with pytest.raises(ValueError, match="vocab_size 300 leaves no room"):
+        _student_tokenizer(StudentSpec("x", "sentencepiece_bpe", 300), ["some text"] * 10)
+    with pytest.raises(ValueError, match="student tokenizer 'wordpiece' is not one of"):
+        _student_tokenizer(StudentSpec("x", "wordpiece", 3000), ["some text"])
