@@ -28,7 +28,7 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -269,36 +269,64 @@ class ShardReader:
     One reader per process: data-loader workers each build their own on first use. Documents are
     read in an order that stays inside one shard for long stretches (see
     :mod:`pipeline.student_data`), so a handful of cached row groups serve almost every request.
+    A cached row group keeps its list columns as flat NumPy arrays, so a row's lists are slices
+    (views) of them.
     """
 
     def __init__(self, shards: Sequence[ShardInfo], cache_row_groups: int = 4):
         self.shards = list(shards)
         self.cache_row_groups = max(1, cache_row_groups)
-        self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], _DecodedGroup] = OrderedDict()
 
     def row(self, shard_index: int, row: int) -> ScoredRow:
         shard = self.shards[shard_index]
         group, within = shard.row_group_of(row)
-        table = self._group(shard_index, group)
+        decoded = self._group(shard_index, group)
+        begin, end = int(decoded.offsets[within]), int(decoded.offsets[within + 1])
         return ScoredRow(
-            text=table.column("text")[within].as_py(),
-            starts=_list_values(table, "starts", within, np.int32),
-            ends=_list_values(table, "ends", within, np.int32),
-            losses=_list_values(table, "losses", within, np.float32),
+            text=decoded.text[within].as_py(),
+            starts=decoded.starts[begin:end],
+            ends=decoded.ends[begin:end],
+            losses=decoded.losses[begin:end],
         )
 
-    def _group(self, shard_index: int, group: int) -> pa.Table:
+    def _group(self, shard_index: int, group: int) -> _DecodedGroup:
         key = (shard_index, group)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        table = read_row_group(self.shards[shard_index], group, ROW_COLUMNS)
-        self._cache[key] = table
+        decoded = _DecodedGroup.of(read_row_group(self.shards[shard_index], group, ROW_COLUMNS))
+        self._cache[key] = decoded
         while len(self._cache) > self.cache_row_groups:
             self._cache.popitem(last=False)
-        return table
+        return decoded
 
 
-def _list_values(table: pa.Table, column: str, row: int, dtype: Any) -> np.ndarray:
-    values = table.column(column).chunk(0)[row].values
-    return np.asarray(values.to_numpy(zero_copy_only=False), dtype=dtype)
+@dataclass(frozen=True)
+class _DecodedGroup:
+    """One row group as :class:`ShardReader` keeps it: the text column, and the values of the
+    starts, ends and losses lists as flat arrays with their shared offsets (:func:`read_row_group`
+    checked that the lists of a row have one length)."""
+
+    text: pa.Array
+    offsets: np.ndarray  # (rows + 1,)
+    starts: np.ndarray  # (tokens,) int32
+    ends: np.ndarray  # (tokens,) int32
+    losses: np.ndarray  # (tokens,) float32
+
+    @classmethod
+    def of(cls, table: pa.Table) -> _DecodedGroup:
+        values = {c: list_column_values(table, c) for c in ("starts", "ends", "losses")}
+        return cls(text=table.column("text").chunk(0), offsets=values["starts"][1],
+                   starts=values["starts"][0].astype(np.int32, copy=False),
+                   ends=values["ends"][0].astype(np.int32, copy=False),
+                   losses=values["losses"][0].astype(np.float32, copy=False))
+
+
+def list_column_values(table: pa.Table, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, offsets)`` of a list column as NumPy arrays (views where Arrow allows): row ``r``
+    holds ``values[offsets[r] : offsets[r + 1]]`` (``values`` is the whole child array, so this
+    holds for a sliced column too)."""
+    array = table.column(column).combine_chunks()
+    return array.values.to_numpy(zero_copy_only=False), array.offsets.to_numpy()
+

@@ -23,9 +23,10 @@ How it is built
    ``L``, so consecutive samples overlap by one token and every token after the first is a
    target exactly once. The last partial window is dropped. Documents are not isolated by an
    attention mask (as in the paper's LitGPT pretraining); EOS marks the boundary.
-4. **Alignment** (:class:`PackedDataset`, in data-loader workers): the documents of a sample are
-   tokenized with offsets (:func:`pipeline.tokenization.encode_batch`, special-token strings stay
-   text), aligned to the teacher's spans (:func:`pipeline.align.align_document`) and sliced. Each
+4. **Alignment** (:class:`PackedDataset`, in data-loader workers): the documents of a batch of
+   samples, and of the samples the worker will be asked for next, are tokenized with offsets in
+   one call (:func:`pipeline.tokenization.encode_batch`, special-token strings stay text), aligned
+   to the teacher's spans in one call (:func:`pipeline.align.align_documents`), cached and sliced. Each
    position carries its target id, ``teacher_loss`` (the aggregated ``L_t`` of the target, NaN
    where unmapped) and ``mapped``. BOS/EOS are unmapped; so is every token of a document the
    teacher stored with zero tokens (whitespace-only texts): such documents are trained as unmapped.
@@ -50,7 +51,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.align import AGGREGATIONS, align_document
+from pipeline.align import AGGREGATIONS, align_document, align_documents
 from pipeline.scored_dataset import BadShardError, ScoredDataset, ShardInfo, ShardReader, read_row_group
 from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
 
@@ -234,6 +235,16 @@ class PackPlan:
             start, d = end, d + 1
         return out
 
+    def document_span(self, first: int, last: int) -> range:
+        """Positions of the documents samples ``first..last`` (inclusive) take tokens from."""
+        start, stop = first * self.seq_len, last * self.seq_len + self.seq_len + 1
+        return range(int(np.searchsorted(self.doc_end, start, side="right")),
+                     int(np.searchsorted(self.doc_end, stop - 1, side="right")) + 1)
+
+    def document_length(self, d: int) -> int:
+        """Stream tokens of the document at position ``d`` (BOS and EOS included)."""
+        return int(self.doc_end[d] - (self.doc_end[d - 1] if d else 0))
+
     def summary(self) -> dict:
         return {"seq_len": self.seq_len, "n_documents": int(self.doc_row.size), "n_empty": self.n_empty,
                 "n_tokens": self.n_tokens, "n_samples": self.n_samples, "add_bos": self.add_bos,
@@ -285,7 +296,21 @@ class StudentDocument:
 
 class PackedDataset(torch.utils.data.Dataset):
     """Packed, aligned training samples (module docstring). Picklable; each data-loader worker
-    opens its own :class:`ShardReader` and keeps a small cache of aligned documents."""
+    opens its own :class:`ShardReader` and keeps its own cache of aligned documents.
+
+    Documents are tokenized and aligned many at a time: one ``encode_batch`` call and one
+    :func:`pipeline.align.align_documents` call for every document a request needs that is not
+    cached, where a request is a whole batch of samples (a data loader hands a worker its batch
+    at once, :meth:`__getitems__`) or one sample. On a cache miss a request also reads ahead, up to
+    ``readahead_tokens`` stream tokens, the documents of the samples this worker is expected to
+    be asked for next. A sequential sampler gives each worker batches at a fixed stride (batch
+    size x workers x processes): the first request reads ahead at that stride, and later ones
+    when they came at the same stride as the request before them. A wrong guess costs time,
+    never a different sample: each document is a pure function of its row, so a sample is
+    the same alone, in any batch, in any worker, in any order and after a resume. The cache holds
+    at most ``2 * readahead_tokens`` tokens (at least four samples' worth) beyond the documents of
+    the current request.
+    """
 
     def __init__(
         self,
@@ -294,7 +319,7 @@ class PackedDataset(torch.utils.data.Dataset):
         tokenizer,
         alignment: AlignmentConfig,
         *,
-        doc_cache: int = 32,
+        readahead_tokens: int = 2**18,
     ):
         require_fast(tokenizer, "student tokenizer")
         self.shards = list(shards)
@@ -307,18 +332,35 @@ class PackedDataset(torch.utils.data.Dataset):
             raise ValueError("add_bos is set but the student tokenizer has no BOS token")
         if plan.add_eos and self.eos_id is None:
             raise ValueError("the student tokenizer has no EOS token to put between documents")
-        self.doc_cache = doc_cache
+        self.readahead_tokens = max(0, readahead_tokens)
+        self.cache_tokens = max(2 * self.readahead_tokens, 4 * plan.seq_len)
         self._reader: ShardReader | None = None
         self._docs: OrderedDict[int, StudentDocument] = OrderedDict()
+        self._cached_tokens = 0
+        self._last_first: int | None = None  # first sample of the previous request
+        self._stride: int | None = None  # samples between the first samples of the last two requests
 
     def __len__(self) -> int:
         return self.plan.n_samples
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_reader": None, "_docs": OrderedDict()}
+        return {**self.__dict__, "_reader": None, "_docs": OrderedDict(), "_cached_tokens": 0,
+                "_last_first": None, "_stride": None}
 
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
-        parts = [(self.document(d), a, b) for d, a, b in self.plan.documents_of(int(k))]
+        return self.__getitems__([k])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """Samples ``indices`` (what ``torch.utils.data.DataLoader`` asks a worker for at once)."""
+        layouts = [(int(k), self.plan.documents_of(int(k))) for k in indices]
+        needed = sorted({d for _, parts in layouts for d, _, _ in parts})
+        ahead = self._readahead([k for k, _ in layouts]) if any(d not in self._docs for d in needed) else []
+        self._observe([k for k, _ in layouts])
+        docs = self.documents(needed, ahead)
+        return [self._sample(k, [(docs[d], a, b) for d, a, b in parts]) for k, parts in layouts]
+
+    @staticmethod
+    def _sample(k: int, parts: list[tuple[StudentDocument, int, int]]) -> dict[str, torch.Tensor]:
         ids = np.concatenate([doc.ids[a:b] for doc, a, b in parts])  # (L+1,)
         teacher_loss = np.concatenate([doc.teacher_loss[a:b] for doc, a, b in parts])
         mapped = np.concatenate([doc.mapped[a:b] for doc, a, b in parts])
@@ -327,48 +369,119 @@ class PackedDataset(torch.utils.data.Dataset):
             "labels": torch.from_numpy(ids[1:].copy()),  # (L,) target of each position
             "teacher_loss": torch.from_numpy(teacher_loss[1:].copy()),  # (L,) L_t of the target
             "mapped": torch.from_numpy(mapped[1:].copy()),  # (L,)
-            "sample_index": torch.tensor(int(k), dtype=torch.int64),
+            "sample_index": torch.tensor(k, dtype=torch.int64),
         }
+
+    def _observe(self, indices: list[int]) -> None:
+        """Remember the stride between this request and the previous one; after the first request,
+        the stride a sequential sampler would give: its size times the readers (workers x processes)."""
+        if indices:
+            first = min(indices)
+            self._stride = first - self._last_first if self._last_first is not None else len(indices) * _readers()
+            self._last_first = first
+
+    def _readahead(self, indices: list[int]) -> list[int]:
+        """Document positions of the samples expected next (class docstring), up to the token
+        budget: at the stride of the last two requests if this one came at it too (or, for the
+        first request, at the stride a sequential sampler would give)."""
+        first, last = min(indices), max(indices)
+        if self._last_first is None:
+            stride = len(indices) * _readers()
+        else:
+            stride = first - self._last_first if first - self._last_first == self._stride else 0
+        if not self.readahead_tokens or stride <= 0:
+            return []
+        ahead, tokens = [], 0
+        first, last = first + stride, last + stride
+        while first < self.plan.n_samples and tokens < self.readahead_tokens:
+            for d in self.plan.document_span(first, min(last, self.plan.n_samples - 1)):
+                if not ahead or d > ahead[-1]:  # a long document spans many samples: count it once
+                    ahead.append(d)
+                    tokens += self.plan.document_length(d)
+            first, last = first + stride, last + stride
+        return ahead
 
     def document(self, d: int) -> StudentDocument:
         """The aligned document at stream position ``d`` (cached)."""
-        if d in self._docs:
-            self._docs.move_to_end(d)
-            return self._docs[d]
+        return self.documents([d])[d]
+
+    def documents(self, positions: Sequence[int], ahead: Sequence[int] = ()) -> dict[int, StudentDocument]:
+        """The aligned documents at ``positions``: cached ones from the cache, the others (and
+        those of ``ahead`` not cached, which go to the cache only) tokenized and aligned together
+        (:meth:`_encode`)."""
+        found = {}
+        for d in positions:
+            if d in self._docs:
+                self._docs.move_to_end(d)
+                found[d] = self._docs[d]
+        missing = sorted({d for d in (*positions, *ahead) if d not in self._docs})
+        if missing:
+            for d, doc in zip(missing, self._encode(missing)):
+                self._docs[d] = doc
+                self._cached_tokens += doc.ids.size
+            found.update((d, self._docs[d]) for d in positions if d not in found)
+        self._trim_cache(keep=set(positions))
+        return found
+
+    def _trim_cache(self, keep: set[int]) -> None:
+        """Drop the least recently used documents, but not those of the current request, until the
+        cache holds at most ``cache_tokens`` tokens."""
+        for d in list(self._docs):
+            if self._cached_tokens <= self.cache_tokens:
+                break
+            if d not in keep:
+                self._cached_tokens -= self._docs.pop(d).ids.size
+
+    def _encode(self, positions: list[int]) -> list[StudentDocument]:
+        """Read, tokenize (one ``encode_batch`` call) and align (one ``align_documents`` call) the
+        documents at these stream positions, checking each length against the plan."""
         if self._reader is None:
             self._reader = ShardReader(self.shards)
-        shard, row = int(self.plan.doc_shard[d]), int(self.plan.doc_row[d])
-        doc = self._encode(self._reader.row(shard, row), shard, row)
-        expected = int(self.plan.doc_end[d] - (self.plan.doc_end[d - 1] if d else 0))
-        if doc.ids.size != expected:
-            raise RuntimeError(
-                f"{self.shards[shard].path} row {row}: {doc.ids.size} student tokens, the length plan says "
-                f"{expected}; the length cache does not match this tokenizer (delete it)"
-            )
-        self._docs[d] = doc
-        while len(self._docs) > self.doc_cache:
-            self._docs.popitem(last=False)
-        return doc
+        where = [(int(self.plan.doc_shard[d]), int(self.plan.doc_row[d])) for d in positions]
+        rows = [self._reader.row(shard, row) for shard, row in where]
+        encodings = encode_batch(self.tokenizer, [r.text for r in rows])
+        for d, (shard, row), encoding in zip(positions, where, encodings):
+            expected = int(self.plan.doc_end[d] - (self.plan.doc_end[d - 1] if d else 0))
+            n = len(encoding) + int(self.plan.add_bos) + int(self.plan.add_eos)
+            if n != expected:
+                raise RuntimeError(
+                    f"{self.shards[shard].path} row {row}: {n} student tokens, the length plan says {expected}; "
+                    "the length cache does not match this tokenizer (delete it)"
+                )
+        aligned = self._align(encodings, rows, where)
+        head = np.asarray([self.bos_id] if self.plan.add_bos else [], dtype=np.int64)
+        tail = np.asarray([self.eos_id] if self.plan.add_eos else [], dtype=np.int64)
+        nan_head, nan_tail = np.full(head.size, np.nan, np.float32), np.full(tail.size, np.nan, np.float32)
+        off_head, off_tail = np.zeros(head.size, bool), np.zeros(tail.size, bool)
+        return [StudentDocument(ids=np.concatenate([head, encoding.ids, tail]).astype(np.int64),
+                                teacher_loss=np.concatenate([nan_head, doc.teacher_loss, nan_tail]),
+                                mapped=np.concatenate([off_head, doc.mapped, off_tail]))
+                for encoding, doc in zip(encodings, aligned)]
 
-    def _encode(self, row, shard: int, row_index: int) -> StudentDocument:
-        encoding = encode_batch(self.tokenizer, [row.text])[0]
+    def _align(self, encodings, rows, where) -> list:
+        """``align_documents`` for the batch; a document it refuses is named by file and row."""
+        method = self.alignment.method
+        options = dict(one_to_one=method == "one_to_one", n_chunks=self.alignment.n_chunks if method == "chunk" else None)
         try:
-            aligned = align_document(
-                encoding, row.starts, row.ends, row.losses, self.alignment.aggregate,
-                one_to_one=self.alignment.method == "one_to_one",
-                n_chunks=self.alignment.n_chunks if self.alignment.method == "chunk" else None,
-                text_len=len(row.text),
-            )
-        except ValueError as exc:
-            raise ValueError(f"{self.shards[shard].path} row {row_index}: {exc}") from exc
-        head = [self.bos_id] if self.plan.add_bos else []
-        tail = [self.eos_id] if self.plan.add_eos else []
-        nan_head, nan_tail = [np.nan] * len(head), [np.nan] * len(tail)
-        return StudentDocument(
-            ids=np.array([*head, *encoding.ids.tolist(), *tail], dtype=np.int64),
-            teacher_loss=np.concatenate([nan_head, aligned.teacher_loss, nan_tail]).astype(np.float32),
-            mapped=np.concatenate([[False] * len(head), aligned.mapped, [False] * len(tail)]).astype(bool),
-        )
+            return align_documents(encodings, [(r.starts, r.ends, r.losses) for r in rows], self.alignment.aggregate,
+                                   text_lens=[len(r.text) for r in rows], **options)
+        except ValueError:
+            for encoding, row, (shard, index) in zip(encodings, rows, where):  # find the document
+                try:
+                    align_document(encoding, row.starts, row.ends, row.losses, self.alignment.aggregate,
+                                   text_len=len(row.text), **options)
+                except ValueError as exc:
+                    raise ValueError(f"{self.shards[shard].path} row {index}: {exc}") from exc
+            raise
+
+
+def _readers() -> int:
+    """Data-loader workers of this process times processes of the run: how many readers share a
+    sequential sampler's batches in turn."""
+    info = torch.utils.data.get_worker_info()
+    workers = info.num_workers if info is not None else 1
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return workers * (torch.distributed.get_world_size() if distributed else 1)
 
 
 def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

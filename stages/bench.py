@@ -185,21 +185,8 @@ def run_bench(cfg: DictConfig) -> dict:
         report["cases"][name] = result
         report["figures"] += result["figures"]
         log.info("bench case %s: %.0f s", name, result["seconds"])
-    report["proposals"] = proposals(report)
     report["seconds"] = time.perf_counter() - t0
     return report
-
-
-def proposals(report: dict) -> list[str]:
-    """One line per measured proposal, from the cases that ran."""
-    out = []
-    cases = report["cases"]
-    d = cases.get("student_data", {})
-    if "proposed" in d.get("ratios", {}):
-        out.append(f"pipeline/student_data.py: tokenize and align a row group at a time (batched_student_stream): "
-                   f"{d['ratios']['pipeline']['median']:.2f} -> {d['ratios']['proposed']['median']:.2f} of "
-                   f"tokenization speed (same samples, checked)")
-    return out
 
 
 def print_table(report: dict) -> None:

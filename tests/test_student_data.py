@@ -198,6 +198,57 @@ def test_alignment_in_workers_gives_the_same_batches(scored, student):
             torch.testing.assert_close(inline[key], parallel[key], equal_nan=True, rtol=0, atol=0)
 
 
+def assert_same_samples(got: list[dict], want: list[dict]) -> None:
+    """Equal bit for bit (NaN losses included)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for key in w:
+            assert g[key].dtype == w[key].dtype
+            assert np.array_equal(g[key].numpy().reshape(-1).view(np.uint8), w[key].numpy().reshape(-1).view(np.uint8)), key
+
+
+def test_samples_do_not_depend_on_batching_read_ahead_or_order(scored, student, monkeypatch):
+    """A sample is the same read alone in reverse order (no read-ahead), in sequential data-loader
+    batches (read-ahead, documents tokenized many per call), in random batches, and with a budget
+    so small that the cache keeps evicting; the cache stays within its bound."""
+    from pipeline import student_data
+    from pipeline.student_data import PackedDataset
+
+    data = data_for(scored, student)
+    n = len(data.dataset)
+
+    def fresh(**kwargs):
+        return PackedDataset(data.scored.shards, data.plan, student, data.alignment, **kwargs)
+
+    alone = fresh()
+    reference = [alone[k] for k in reversed(range(n))][::-1]
+    assert alone._stride is not None and alone._stride < 0
+
+    calls, real_encode_batch = [], student_data.encode_batch
+
+    def counted(tokenizer, texts):
+        calls.append(len(texts))
+        return real_encode_batch(tokenizer, texts)
+
+    monkeypatch.setattr(student_data, "encode_batch", counted)
+    loader = torch.utils.data.DataLoader(fresh(), batch_size=4, collate_fn=lambda batch: batch)
+    assert_same_samples([s for batch in loader for s in batch], reference)
+    assert sum(calls) == data.plan.doc_row.size and len(calls) <= 3  # every document once, in big batches
+
+    order = np.random.default_rng(0).permutation(n).tolist()
+    shuffled = fresh()
+    got = {k: s for i in range(0, n, 5) for k, s in zip(order[i : i + 5], shuffled.__getitems__(order[i : i + 5]))}
+    assert_same_samples([got[k] for k in range(n)], reference)
+
+    small = fresh(readahead_tokens=SEQ)
+    assert_same_samples([s for i in range(0, n, 3) for s in small.__getitems__(list(range(i, min(i + 3, n))))],
+                        reference)
+    assert small._cached_tokens == sum(d.ids.size for d in small._docs.values())
+    last = {d for k in range(3 * ((n - 1) // 3), n) for d, _, _ in data.plan.documents_of(k)}
+    assert small._cached_tokens <= small.cache_tokens + sum(data.plan.document_length(d) for d in last)
+
+
 def test_token_counts_are_cached(scored, student, tmp_path, monkeypatch):
     first = data_for(scored, student, tmp_path)
     assert len(list(tmp_path.rglob("*.npy"))) == len(scored.shards)

@@ -28,8 +28,6 @@ case               what it measures
 
 :mod:`pipeline.bench.gpu` is the GPU part (scoring throughput and MFU, guided training step) as a
 standalone script that needs only torch, transformers and pyarrow.
-:mod:`pipeline.bench.proposals` holds candidate implementations that the figures compare against
-the pipeline's own code, as evidence for changes; nothing in ``pipeline`` uses them.
 
 Nothing here is a test: ``tests/test_bench.py`` only runs tiny sizes and checks the report's shape.
 """

@@ -86,9 +86,6 @@ def markdown(report: dict) -> str:
         head += ["", "## Misses", ""]
         for f in notes:
             head.append(f"- **{f['measure']}**: {f['note']}")
-    if report.get("proposals"):
-        head += ["", "## Measured proposals (code in `pipeline/bench/proposals.py`, not used by the pipeline)", ""]
-        head += [f"- {p}" for p in report["proposals"]]
     return "\n".join(head) + "\n"
 
 

@@ -105,11 +105,11 @@ def _columns_note(s: dict, tokens: int, r: dict) -> str:
 
 def _documents(table) -> list:
     """The rows of a shard as :class:`pipeline.teacher.ScoredDocument` (NumPy slices, no copies)."""
-    from pipeline.bench.proposals import list_column_views
+    from pipeline.scored_dataset import list_column_values
     from pipeline.teacher import ScoredDocument
 
     table = table.combine_chunks()
-    views = {c: list_column_views(table, c) for c in ("token_ids", "starts", "ends", "losses")}
+    views = {c: list_column_values(table, c) for c in ("token_ids", "starts", "ends", "losses")}
     offsets = views["starts"][1]
     doc_ids, texts = table.column("doc_id").to_pylist(), table.column("text").to_pylist()
     return [

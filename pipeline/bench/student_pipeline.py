@@ -7,14 +7,13 @@ single-threaded and compared by process CPU time:
 * ``tokenize``: :func:`pipeline.tokenization.encode_batch` of the same documents, a row group
   (up to 1024 documents) per call: the tokenization the pipeline cannot avoid;
 * ``pipeline``: every packed sample of a fresh :class:`pipeline.student_data.PackedDataset` read
-  in order, as a data-loader worker does: reading the rows, tokenizing, aligning, packing (the
-  plan, built once by :func:`pipeline.student_data.build_student_data`, is not timed: the steady
-  state of training);
+  in order through a ``torch.utils.data.DataLoader`` in batches of ``batch_size`` samples (the
+  training micro batch), as the trainer's data loader reads it: reading the rows, tokenizing,
+  aligning, packing (the plan, built once by :func:`pipeline.student_data.build_student_data`, is
+  not timed: the steady state of training);
 * ``pipeline_cold``: a first run, everything included: ``build_student_data`` with an empty length
   cache (its length pass tokenizes every document once more before training starts, and it
-  fingerprints the tokenizer) and then every sample;
-* ``proposed``: :func:`pipeline.bench.proposals.batched_student_stream` on the same row groups
-  (checked equal to the pipeline's samples with ``shuffle=False``).
+  fingerprints the tokenizer) and then every sample.
 
 Figure: tokens/s of the pipeline (packed tokens delivered) / tokens/s of tokenization (student
 tokens of the same documents), with the warm length cache.
@@ -28,8 +27,6 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
 from pipeline.bench.measure import interleaved, profile_parts, ratio
 from pipeline.bench.report import figure
 
@@ -42,17 +39,18 @@ class StudentDataBenchConfig:
     seq_len: int = 2048
     repeats: int = 3
     warmup: int = 1
-    batch_docs: int = 64
+    batch_size: int = 8  # samples per data-loader call: train.micro_batch_size's default
     cold: bool = True
     target: float = 0.9
 
 
 def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
         dataset: str | os.PathLike | None = None) -> dict:
-    from pipeline.bench.proposals import batched_student_stream
-    from pipeline.scored_dataset import ROW_COLUMNS, open_scored_dataset, read_row_group
-    from pipeline.student_data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
-    from pipeline.tokenization import bos_token_id, encode_batch
+    import torch
+
+    from pipeline.scored_dataset import open_scored_dataset, read_row_group
+    from pipeline.student_data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
+    from pipeline.tokenization import encode_batch
 
     scored = open_scored_dataset([str(dataset or cfg.dataset)])
     scored = replace(scored, shards=scored.shards[: cfg.max_shards])
@@ -64,7 +62,6 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
     warm_cache = work / "length-cache"
     shutil.rmtree(work, ignore_errors=True)
     student_tokens = sum(len(e) for batch in texts for e in encode_batch(tokenizer, batch))
-    bos = tokenizer.bos_token_id if bos_token_id(tokenizer) is not None else None
     delivered: dict[str, int] = {}
 
     def tokenize():
@@ -74,8 +71,8 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
     planned = build_student_data(scored, tokenizer, packing, alignment, cache_dir=warm_cache)
 
     def read_all(dataset, key: str) -> None:
-        for k in range(len(dataset)):
-            dataset[k]
+        for _ in torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, collate_fn=collate_packed):
+            pass
         delivered[key] = len(dataset) * cfg.seq_len
 
     def pipeline():
@@ -88,26 +85,18 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    def proposed():
-        tables = [read_row_group(s, g, ROW_COLUMNS) for s, g in groups]
-        out = batched_student_stream(tables, tokenizer, cfg.seq_len, bos, tokenizer.eos_token_id, cfg.batch_docs)
-        delivered["proposed"] = out["input_ids"].size
-
-    equal = _proposal_matches(scored, tokenizer, packing, alignment, warm_cache, groups, cfg, bos)
     breakdown = profile_parts(pipeline, {
-        "tokenize (encode_batch, one document per call)": ("tokenization.py", "encode_batch"),
+        "tokenize (encode_batch, a request's documents and its read-ahead per call)": ("tokenization.py", "encode_batch"),
         "  of which the Rust tokenizer": ("~", "<method 'encode_batch' of 'tokenizers.Tokenizer' objects>"),
-        "np.asarray, all callers (offset lists, int64 copies, row values)": ("~", "<built-in method numpy.asarray>"),
-        "align (align_document)": ("align.py", "align_document"),
+        "np.asarray, all callers (offset lists, row values)": ("~", "<built-in method numpy.asarray>"),
+        "align (align_documents)": ("align.py", "align_documents"),
         "read rows (ShardReader.row)": ("scored_dataset.py", "row"),
-        "_encode (tokenize + align + per-document arrays)": ("student_data.py", "_encode"),
-        "__getitem__ (everything)": ("student_data.py", "__getitem__"),
+        "_encode (read + tokenize + align + per-document arrays)": ("student_data.py", "_encode"),
+        "__getitems__ (everything but collation)": ("student_data.py", "__getitems__"),
     })
     sides = {"tokenize": tokenize, "pipeline": pipeline}
     if cfg.cold:
         sides["pipeline_cold"] = pipeline_cold
-    if equal:
-        sides["proposed"] = proposed
     samples = interleaved(sides, cfg.repeats, cfg.warmup)
     shutil.rmtree(work, ignore_errors=True)
 
@@ -125,46 +114,19 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
         "samples": {k: v.to_dict() for k, v in samples.items()},
         "ratios": {name: throughput_ratio(name) for name in sides if name != "tokenize"},
         "ratios_wall": {name: throughput_ratio(name, "wall") for name in sides if name != "tokenize"},
-        "proposal_matches_pipeline": equal,
         "pipeline_profile": breakdown,
     }
     main = result["ratios"]["pipeline"]
     note = (f"CPU time, {result['documents']} docs, {student_tokens:,} {cfg.student} tokens, packed to {cfg.seq_len}; "
-            f"data-loader work, plan built beforehand (spread {main['min']:.2f}-{main['max']:.2f}, ratio of minima "
-            f"{main['of_minima']:.2f}, wall {result['ratios_wall']['pipeline']['median']:.2f})")
+            f"data-loader work in batches of {cfg.batch_size} samples, plan built beforehand (spread "
+            f"{main['min']:.2f}-{main['max']:.2f}, ratio of minima {main['of_minima']:.2f}, "
+            f"wall {result['ratios_wall']['pipeline']['median']:.2f})")
     if "pipeline_cold" in result["ratios"]:
         note += (f"; first run including the plan with an empty length cache: "
                  f"{result['ratios']['pipeline_cold']['median']:.2f}")
-    if "proposed" in result["ratios"]:
-        proposal = result["ratios"]["proposed"]
-        note += (f"; proposal (row-group batches, batched alignment; same samples): "
-                 f"{proposal['median']:.2f} (ratio of minima {proposal['of_minima']:.2f})")
     parts = breakdown["parts"]
     note += "; where a pipeline pass goes (cProfile shares): " + ", ".join(
         f"{label.strip()} {100 * p['share']:.0f}%" for label, p in parts.items() if p["share"] is not None)
     result["figures"] = [figure("student_data", "student data pipeline (read+tokenize+align+pack / tokenize)",
                                 main["median"], cfg.target, ">=", note=note)]
     return result
-
-
-def _proposal_matches(scored, tokenizer, packing, alignment, cache, groups, cfg, bos) -> bool:
-    """The proposal's samples equal :class:`PackedDataset`'s in file order (``shuffle=False``)."""
-    from pipeline.bench.proposals import batched_student_stream
-    from pipeline.scored_dataset import ROW_COLUMNS, read_row_group
-    from pipeline.student_data import build_student_data
-
-    data = build_student_data(scored, tokenizer, replace(packing, shuffle=False), alignment, cache_dir=cache)
-    if data.alignment.method != "token" or alignment.aggregate != "max":
-        return False
-    tables = [read_row_group(s, g, ROW_COLUMNS) for s, g in groups]
-    out = batched_student_stream(tables, tokenizer, cfg.seq_len, bos, tokenizer.eos_token_id, cfg.batch_docs)
-    if out["input_ids"].shape[0] != len(data.dataset):
-        return False
-    for k in range(len(data.dataset)):
-        sample = data.dataset[k]
-        if not (np.array_equal(sample["input_ids"].numpy(), out["input_ids"][k])
-                and np.array_equal(sample["labels"].numpy(), out["labels"][k])
-                and np.array_equal(sample["teacher_loss"].numpy(), out["teacher_loss"][k], equal_nan=True)
-                and np.array_equal(sample["mapped"].numpy(), out["mapped"][k])):
-            return False
-    return True
