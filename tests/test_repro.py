@@ -164,6 +164,9 @@ def test_claims_report_what_the_numbers_say():
     assert claims == {1: "holds", 2: "does not hold", 3: "holds", 4: "holds on average", 5: "holds"}
     split = [r | {"scored_folder": "/y/v1"} if r["arm"] == "bbpe_guided" else r for r in results]
     assert check_claims(summarize(split), split)[4]["verdict"] == "partly holds"
+    no_gain = [r | {"bits_per_byte": 3.0} if r["arm"] == "bbpe_guided" else r for r in results]
+    fifth = check_claims(summarize(no_gain), no_gain)[4]  # served from one folder, but no gain over cpt
+    assert fifth["verdict"] == "partly holds" and [e["verdict"] for e in fifth["evidence"]] == ["does not hold", "holds"]
 
 
 def test_write_report_files_and_readme_section(tmp_path):
