@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import sys
 import time
@@ -105,6 +106,7 @@ def main(cfg: DictConfig) -> None:
 
     quiet_libraries()
     check(cfg)
+    load_at_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared: say how busy it was
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     artifacts = Path(to_absolute_path(cfg.artifacts_dir))
@@ -122,9 +124,11 @@ def main(cfg: DictConfig) -> None:
 
     run_list = tasks(cfg, scored, students, corpora.held_out)
     bar = tqdm(total=len(run_list), desc="student runs", unit="run")
+    from_cache = []
 
     def progress(result: dict, cached: bool) -> None:
         bar.update(1)
+        from_cache.append(cached)
         bar.write(f"{result['arm']:>20} seed {result['seed']}: {result['bits_per_byte']:.4f} bits/byte"
                   + (" (cached)" if cached else f" ({result['train_seconds']:.0f}s)"))
 
@@ -136,6 +140,7 @@ def main(cfg: DictConfig) -> None:
         "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - t0, 1), "build_seconds": round(build_s, 1),
         "score_seconds": round(score_s, 1), "machine": f"{platform.machine()}, {_cpus()} CPU cores",
+        "load_average_at_start": load_at_start, "runs_read_from_cache": sum(from_cache),
         "seeds": list(cfg.seeds), "n_runs": len(results), "parallel": cfg.parallel,
         "train_steps": cfg.train_steps, "train_tokens_per_run": results[0]["tokens_trained"] if results else 0,
         "corpora": corpora.describe(),
@@ -169,8 +174,6 @@ def base_scores(folder: Path, held_out: list[str], cfg: DictConfig) -> dict:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

@@ -236,7 +236,8 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
         f"# Toy-scale reproduction ({setup['finished']})", "",
         f"`make repro`: {setup['n_runs']} student runs ({len(arms)} arms x {len(setup['seeds'])} seeds), "
         f"{setup['train_tokens_per_run']:,} training tokens each; wall time {setup['seconds'] / 60:.1f} min on "
-        f"{setup['machine']}.", "",
+        f"{setup['machine']}" + (f" ({setup['runs_read_from_cache']} runs read from an earlier launch)"
+                                 if setup.get("runs_read_from_cache") else "") + ".", "",
         "## Claims", "", claim_table, "",
         "## Arms", "", table, "",
         *_base_lines(setup.get("base_students") or {}),
