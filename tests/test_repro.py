@@ -177,7 +177,9 @@ def test_write_report_files_and_readme_section(tmp_path):
              "n_runs": 4, "train_tokens_per_run": 100}
     record = write_report(_results(values), ["guided", "cpt"], setup, tmp_path / "out", readme)
     assert (tmp_path / "out" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((tmp_path / "out" / "report.json").read_text())["arms"]["guided"]["bpb"]["mean"] == pytest.approx(1.05)
+    written = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert written["arms"]["guided"]["bpb"]["mean"] == pytest.approx(1.05)
+    assert {r["scored_folder"] for r in written["runs"]} == {"scored/strong/v1"}  # no machine paths
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
     assert "| guided |" in text and "1.0500 ± 0.0707" in text and "Latest run: 2026-11-21" in text
@@ -215,8 +217,8 @@ def test_make_repro_end_to_end_small(tmp_path):
     assert all(r["steps"] == 2 and r["tokens_trained"] == 2 * 2 * 64 for r in report["runs"])
     assert all(0 < r["bits_per_byte"] < 20 for r in report["runs"])
     # one scored folder (the strong teacher's) serves both students; the unused weak teacher is never built
-    assert len({r["scored_folder"] for r in report["runs"]}) == 1
-    assert (Path(report["runs"][0]["scored_folder"]) / "manifest.json").is_file()
+    assert {r["scored_folder"] for r in report["runs"]} == {"scored/strong/v1"}
+    assert (tmp_path / "work" / "scored" / "strong" / "v1" / "manifest.json").is_file()
     assert not (tmp_path / "artifacts" / "teacher-weak").exists()
     assert "| guided |" in readme.read_text()
     bases = report["setup"]["base_students"]  # both base students evaluated before continual pretraining

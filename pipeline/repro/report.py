@@ -226,6 +226,11 @@ def _base_lines(bases: dict) -> list[str]:
     return [*lines, ""]
 
 
+def portable(result: dict) -> dict:
+    """A run's record without this machine's paths: the scored folder relative to the work folder."""
+    return {**result, "scored_folder": "/".join(Path(result["scored_folder"]).parts[-3:])}
+
+
 def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Path, readme: Path | None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = summarize(results)
@@ -249,7 +254,7 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
     ])
     (out_dir / "report.md").write_text(body)
     record = {"setup": setup, "claims": claims, "arms": {n: arms[n].row() for n in order if n in arms},
-              "runs": results}
+              "runs": [portable(r) for r in results]}
     (out_dir / "report.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     plot(arms, order, out_dir / "report.png")
     if readme is not None and readme.is_file():
