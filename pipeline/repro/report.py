@@ -184,7 +184,15 @@ def claims_markdown(claims: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _reference(name: str) -> str:
+    """The guided arm of the same student, which the right-hand panel compares each arm with."""
+    student_prefix = name.split("_")[0] + "_" if name.startswith("bbpe_") else ""
+    return f"{student_prefix}guided"
+
+
 def plot(arms: dict[str, ArmSummary], order: list[str], path: Path) -> None:
+    """Left: bits per byte per arm (mean ± sd, dots for seeds). Right: each arm minus the guided arm
+    of the same student, seed by seed (the differences the verdicts use; > 0: guided is better)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,19 +200,24 @@ def plot(arms: dict[str, ArmSummary], order: list[str], path: Path) -> None:
 
     names = [n for n in order if n in arms]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.8), sharey=True)
-    for ax, metric, label in ((axes[0], "bpb", "held-out bits per byte (lower is better)"),
-                              (axes[1], "restate", "restate exact match (higher is better)")):
-        for y, name in enumerate(names):
-            values = getattr(arms[name], metric)
-            m, s = _mean_sd(values)
-            color = "tab:green" if name.endswith("guided") or name == "guided" else "tab:blue"
-            ax.barh(y, m, xerr=s, color=color, alpha=0.6, capsize=3)
-            ax.plot(values, [y] * len(values), "k.", markersize=4)
-        ax.set_xlabel(label)
-        if metric == "bpb":
-            lo = min(min(arms[n].bpb) for n in names)
-            hi = max(max(arms[n].bpb) for n in names)
-            ax.set_xlim(lo - 0.1 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))
+    ax = axes[0]
+    for y, name in enumerate(names):
+        m, s = _mean_sd(arms[name].bpb)
+        ax.barh(y, m, xerr=s, color="tab:green" if name.endswith("guided") else "tab:blue", alpha=0.6, capsize=3)
+        ax.plot(arms[name].bpb, [y] * len(arms[name].bpb), "k.", markersize=4)
+    lo = min(min(arms[n].bpb) for n in names)
+    hi = max(max(arms[n].bpb) for n in names)
+    ax.set_xlim(lo - 0.1 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))
+    ax.set_xlabel("held-out bits per byte (lower is better)")
+    ax = axes[1]
+    for y, name in enumerate(names):
+        p = paired(arms, name, _reference(name)) if name != _reference(name) else None
+        if p is None:
+            continue
+        ax.barh(y, p["mean"], xerr=p["sd"], color="tab:red" if p["mean"] > 0 else "tab:gray", alpha=0.6, capsize=3)
+        ax.plot(p["diffs"], [y] * len(p["diffs"]), "k.", markersize=4)
+    ax.axvline(0, color="k", linewidth=0.8)
+    ax.set_xlabel("arm - guided (same student), bits/byte per seed; > 0: guided better")
     axes[0].set_yticks(range(len(names)), names)
     axes[0].invert_yaxis()
     fig.suptitle("Toy-scale reproduction: mean ± sd over seeds (dots: single seeds)")
