@@ -453,7 +453,7 @@ class PackedDataset(torch.utils.data.Dataset):
         tail = np.asarray([self.eos_id] if self.plan.add_eos else [], dtype=np.int64)
         nan_head, nan_tail = np.full(head.size, np.nan, np.float32), np.full(tail.size, np.nan, np.float32)
         off_head, off_tail = np.zeros(head.size, bool), np.zeros(tail.size, bool)
-        return [StudentDocument(ids=np.concatenate([head, encoding.ids, tail]).astype(np.int64),
+        return [StudentDocument(ids=np.concatenate([head, encoding.ids, tail]).astype(np.int64, copy=False),
                                 teacher_loss=np.concatenate([nan_head, doc.teacher_loss, nan_tail]),
                                 mapped=np.concatenate([off_head, doc.mapped, off_tail]))
                 for encoding, doc in zip(encodings, aligned)]

@@ -25,11 +25,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
+
+from pipeline.embedded.tiny_teacher import build_folder
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 SPECIALS = (UNK, BOS, EOS)
@@ -102,9 +103,6 @@ def train_student_tokenizer(texts: Sequence[str], vocab_size: int, limit_alphabe
 
 def build_tiny_student(texts: Sequence[str], out_dir: str | os.PathLike, spec: TinyStudentSpec = TinyStudentSpec()) -> Path:
     """Build (or return the cached) tiny student in ``out_dir``: tokenizer and random-init Llama."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     out_dir = Path(out_dir)
     params = {"spec": asdict(spec), "n_texts": len(texts)}
     if _stamp_params(out_dir) == params:
@@ -114,26 +112,33 @@ def build_tiny_student(texts: Sequence[str], out_dir: str | os.PathLike, spec: T
     train_texts = [t for t in texts if t][: spec.max_train_docs]
     random.Random(spec.seed).shuffle(train_texts)
     tokenizer = train_student_tokenizer(train_texts, spec.vocab_size, spec.limit_alphabet)
-    torch.manual_seed(spec.seed)
+    model = new_student_model(tokenizer, spec, spec.seed)
+
+    def write(work: Path) -> None:
+        model.save_pretrained(work, safe_serialization=True)
+        tokenizer.save_pretrained(work)
+        stamp = {
+            "params": params,
+            "vocab_size": len(tokenizer),
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        (work / STAMP_NAME).write_text(json.dumps(stamp, indent=1) + "\n")
+
+    return build_folder(out_dir, write)
+
+
+def new_student_model(tokenizer, spec: TinyStudentSpec, seed: int):
+    """A randomly initialised (``torch.manual_seed(seed)``) Llama of ``spec``'s sizes for ``tokenizer``,
+    embeddings tied."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
     architecture = {hf_key: getattr(spec, key) for key, hf_key in ARCHITECTURE_KEYS.items()}
     config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=None, **architecture)
-    model = LlamaForCausalLM(config)
-
-    work = out_dir.with_name(out_dir.name + ".building")
-    shutil.rmtree(work, ignore_errors=True)
-    model.save_pretrained(work, safe_serialization=True)
-    tokenizer.save_pretrained(work)
-    stamp = {
-        "params": params,
-        "vocab_size": len(tokenizer),
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-    (work / STAMP_NAME).write_text(json.dumps(stamp, indent=1) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(work, out_dir)
-    return out_dir
+    return LlamaForCausalLM(config)
 
 
 def _stamp_params(out_dir: Path) -> dict | None:

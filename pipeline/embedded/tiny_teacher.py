@@ -76,14 +76,27 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=10**9)
 
 
-def _packed_blocks(tokenizer, texts: Sequence[str], block: int) -> list[list[int]]:
-    """Texts joined with EOS and cut into blocks of ``block`` tokens (the last partial one dropped)."""
+def pack_blocks(tokenizer, texts: Sequence[str], block: int) -> list[list[int]]:
+    """Documents as stage 2 packs them (BOS if the tokenizer has one, the text, EOS), concatenated
+    and cut into blocks of ``block`` tokens (the last partial block dropped)."""
+    head = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     ids: list[int] = []
-    eos = tokenizer.eos_token_id
     for enc in tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"]:
-        ids.extend(enc)
-        ids.append(eos)
+        ids += [*head, *enc, tokenizer.eos_token_id]
     return [ids[i : i + block] for i in range(0, len(ids) - block + 1, block)]
+
+
+def build_folder(out_dir: str | os.PathLike, write) -> Path:
+    """Run ``write(work)`` in an empty sibling folder, then swap it in for ``out_dir``, so a build
+    is whole or absent (a killed build leaves only the sibling, removed by the next one)."""
+    out_dir = Path(out_dir)
+    work = out_dir.with_name(out_dir.name + ".building")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    write(work)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(work, out_dir)
+    return out_dir
 
 
 def _mean_loss(model, blocks: list[list[int]]) -> float:
@@ -117,7 +130,7 @@ def build_tiny_teacher(
     texts = list(train_texts)[: spec.max_train_docs] if spec.max_train_docs else list(train_texts)
     random.Random(spec.seed).shuffle(texts)
     tokenizer = train_tokenizer(texts, spec.vocab_size)
-    blocks = _packed_blocks(tokenizer, texts, spec.block)
+    blocks = pack_blocks(tokenizer, texts, spec.block)
     if len(blocks) < 2:
         raise ValueError(f"too little training text for the tiny teacher: {len(blocks)} blocks of {spec.block} tokens")
 
@@ -136,31 +149,30 @@ def build_tiny_teacher(
         pad_token_id=tokenizer.eos_token_id,
     )
     model = Qwen2ForCausalLM(config)
-    eval_blocks = {k: _packed_blocks(tokenizer, v, spec.block)[:32] for k, v in (eval_texts or {}).items()}
+    eval_blocks = {k: pack_blocks(tokenizer, v, spec.block)[:32] for k, v in (eval_texts or {}).items()}
     before = {k: _mean_loss(model, b) for k, b in eval_blocks.items()}
 
-    work = out_dir.with_name(out_dir.name + ".building")
-    shutil.rmtree(work, ignore_errors=True)
-    train_out = fit_blocks(model, blocks, work / "trainer", steps=spec.steps, batch_size=spec.batch_size,
-                           learning_rate=spec.learning_rate, seed=spec.seed)
-    after = {k: _mean_loss(model, b) for k, b in eval_blocks.items()}
+    stamp = {"params": params}
 
-    model.save_pretrained(work, safe_serialization=True)
-    tokenizer.save_pretrained(work)
-    shutil.rmtree(work / "trainer", ignore_errors=True)
-    stamp = {
-        "params": params,
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "train_tokens": spec.steps * spec.batch_size * spec.block,
-        "final_train_loss": train_out.training_loss,
-        "eval_loss_before": before,
-        "eval_loss_after": after,
-        "uniform_loss": math.log(len(tokenizer)),
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    (work / "_BUILD.json").write_text(json.dumps(stamp, indent=1) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(work, out_dir)
+    def write(work: Path) -> None:
+        train_out = fit_blocks(model, blocks, work / "trainer", steps=spec.steps, batch_size=spec.batch_size,
+                               learning_rate=spec.learning_rate, seed=spec.seed)
+        after = {k: _mean_loss(model, b) for k, b in eval_blocks.items()}
+        model.save_pretrained(work, safe_serialization=True)
+        tokenizer.save_pretrained(work)
+        shutil.rmtree(work / "trainer", ignore_errors=True)
+        stamp.update({
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "train_tokens": spec.steps * spec.batch_size * spec.block,
+            "final_train_loss": train_out.training_loss,
+            "eval_loss_before": before,
+            "eval_loss_after": after,
+            "uniform_loss": math.log(len(tokenizer)),
+            "seconds": round(time.perf_counter() - t0, 1),
+        })
+        (work / "_BUILD.json").write_text(json.dumps(stamp, indent=1) + "\n")
+
+    build_folder(out_dir, write)
     log.info("tiny teacher built in %.0fs: %s", stamp["seconds"], stamp["eval_loss_after"])
     return out_dir
 

@@ -15,8 +15,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.embedded.sample_corpus import build_sample_corpus, clean_texts, generate_documents
-from pipeline.embedded.tiny_student import ARCHITECTURE_KEYS, TinyStudentSpec, train_student_tokenizer
-from pipeline.embedded.tiny_teacher import TinyTeacherSpec, build_tiny_teacher, train_tokenizer
+from pipeline.embedded.tiny_student import TinyStudentSpec, new_student_model, train_student_tokenizer
+from pipeline.embedded.tiny_teacher import (
+    TinyTeacherSpec,
+    build_folder,
+    build_tiny_teacher,
+    fit_blocks,
+    pack_blocks,
+    train_tokenizer,
+)
 
 STAMP = "_REPRO_BUILD.json"
 STUDENT_TOKENIZERS = ("sentencepiece_bpe", "byte_level_bpe")
@@ -147,11 +154,6 @@ def build_student(root: str | os.PathLike, spec: StudentSpec, corpora: Corpora, 
     The tokenizer is trained on the teachers' clean texts (a tokenizer made from general text, not
     from the training corpus).
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pipeline.embedded.tiny_teacher import fit_blocks
-
     root = Path(root)
     folder = root / f"student-{spec.name}-base"
     params = {"spec": asdict(spec), "pretrain": asdict(pretrain), "n_texts": len(corpora.teacher_texts),
@@ -159,17 +161,13 @@ def build_student(root: str | os.PathLike, spec: StudentSpec, corpora: Corpora, 
     if _stamp_matches(folder, params):
         return folder
     tokenizer = _student_tokenizer(spec, corpora.teacher_texts)
-    torch.manual_seed(pretrain.seed)
     sizes = TinyStudentSpec(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                             num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                             context=spec.context)
-    architecture = {hf_key: getattr(sizes, key) for key, hf_key in ARCHITECTURE_KEYS.items()}
-    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=None, **architecture)
-    model = LlamaForCausalLM(config)
+    model = new_student_model(tokenizer, sizes, pretrain.seed)
     blocks = pack_blocks(tokenizer, corpora.pretrain_texts, pretrain.block)
 
-    def save(work: Path) -> None:
+    def write(work: Path) -> None:
         out = fit_blocks(model, blocks, work / "trainer", steps=pretrain.steps, batch_size=pretrain.batch_size,
                          learning_rate=pretrain.learning_rate, seed=pretrain.seed)
         shutil.rmtree(work / "trainer", ignore_errors=True)
@@ -177,27 +175,6 @@ def build_student(root: str | os.PathLike, spec: StudentSpec, corpora: Corpora, 
         tokenizer.save_pretrained(work)
         (work / "pretraining.json").write_text(json.dumps({"final_train_loss": out.training_loss,
                                                            "blocks": len(blocks), "n_params": model.num_parameters()}))
+        (work / STAMP).write_text(json.dumps({"params": params}, indent=1) + "\n")
 
-    _save(folder, params, save)
-    return folder
-
-
-def pack_blocks(tokenizer, texts: list[str], block: int) -> list[list[int]]:
-    """Documents as stage 2 packs them (BOS if the tokenizer has one, the text, EOS), concatenated
-    and cut into ``block``-token blocks (the last partial block dropped)."""
-    head = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    ids: list[int] = []
-    for enc in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]:
-        ids += [*head, *enc, tokenizer.eos_token_id]
-    return [ids[i : i + block] for i in range(0, len(ids) - block + 1, block)]
-
-
-def _save(folder: Path, params: dict, write) -> None:
-    """Write into a temporary sibling, stamp it, then swap it in (whole or absent)."""
-    work = folder.with_name(folder.name + ".building")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    write(work)
-    (work / STAMP).write_text(json.dumps({"params": params}, indent=1) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(work, folder)
+    return build_folder(folder, write)
