@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: setup score-teacher train-student inspect validate vocab-overlap align-report test test-slow bench repro eval-student compare clean
+.PHONY: setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow bench repro eval-student compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ setup: $(VENV)/.installed
 
 score-teacher: setup
 	$(PY) -m stages.score_teacher $(ARGS)
+
+# A safetensors copy of a teacher that ships only .bin weights (then teacher.model=<printed folder>)
+convert-teacher: setup
+	$(PY) -m stages.convert_teacher $(ARGS)
 
 train-student: setup
 	$(PY) -m stages.train_student $(ARGS)
