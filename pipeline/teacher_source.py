@@ -45,7 +45,7 @@ def _error(teacher, problem: str, ways_out: bool = True) -> TeacherSourceError:
     text = f"teacher {teacher.name!r} ({teacher.model}): {problem}"
     if ways_out:
         text += (f"; ways out: a local checkpoint folder (teacher.model=/path/to/folder), or the Hugging Face "
-                 f"cache (download once where there is network: huggingface-cli download {teacher.model}; "
+                 f"cache (download once where there is network: hf download {teacher.model}; "
                  f"then run with the same HF_HOME, HF_HUB_OFFLINE=1 works)")
     return TeacherSourceError(text)
 
@@ -101,12 +101,12 @@ def _hub_files(teacher, ref: str, timeout_s: float) -> set[str]:
         info = HfApi().model_info(ref, revision=teacher.revision, timeout=timeout_s)
     except GatedRepoError:
         raise _error(teacher, f"{ref} is gated: accept its licence on the Hub and log in "
-                              f"(huggingface-cli login or HF_TOKEN)") from None
+                              f"(hf auth login, or HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise _error(teacher, f"{ref} has no revision {teacher.revision!r} (teacher.revision)", ways_out=False) from None
     except RepositoryNotFoundError:
         raise _error(teacher, f"no hub repository {ref}: check the id for a typo; a private repository needs "
-                              f"a login (huggingface-cli login or HF_TOKEN)") from None
+                              f"a login (hf auth login, or HF_TOKEN)") from None
     except Exception as exc:  # no network, DNS, proxy, timeout, server error
         detail = str(exc).splitlines()[0][:160] if str(exc) else ""
         raise _error(teacher, f"the Hugging Face Hub could not be reached ({type(exc).__name__}: {detail}) and "
