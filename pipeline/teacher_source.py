@@ -32,13 +32,13 @@ def check_teacher_source(teacher, timeout_s: float = HUB_TIMEOUT_S) -> None:
     """Raise :class:`TeacherSourceError` unless the teacher's config and weights (and a separate
     tokenizer, if configured) can be had; ``teacher`` has ``name``, ``model``, ``revision``,
     ``tokenizer`` and ``allow_bin`` (:class:`pipeline.score_job.TeacherConfig`)."""
-    files = _list_files(teacher, teacher.model, timeout_s, need_weights=True)
+    files = _list_files(teacher, "model", timeout_s, need_weights=True)
     if files is not None:
         if "config.json" not in files:
             raise _error(teacher, f"{teacher.model} has no config.json: not a transformers checkpoint")
         _check_weights(teacher, files)
     if teacher.tokenizer and teacher.tokenizer != teacher.model:
-        _list_files(teacher, teacher.tokenizer, timeout_s, need_weights=False)
+        _list_files(teacher, "tokenizer", timeout_s, need_weights=False)
 
 
 def _error(teacher, problem: str, ways_out: bool = True) -> TeacherSourceError:
@@ -54,15 +54,16 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
 
 
-def _list_files(teacher, ref: str, timeout_s: float, need_weights: bool) -> set[str] | None:
-    """File names of a local folder or hub repository (None for a single local file)."""
+def _list_files(teacher, key: str, timeout_s: float, need_weights: bool) -> set[str] | None:
+    """File names of ``teacher.<key>``: a local folder or hub repository (None for a single local file)."""
+    ref = getattr(teacher, key)
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
         return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
     if path.is_file():
         return None
     if _looks_local(ref):
-        raise _error(teacher, f"no such local file or folder: {ref}", ways_out=False)
+        raise TeacherSourceError(f"teacher.{key}: no such local file or folder: {ref}")
     cached = _cached_files(teacher, ref)
     if cached and (not need_weights or _weight_files(cached)):
         return cached

@@ -82,9 +82,11 @@ def test_convert_teacher_writes_a_safetensors_copy(bin_teacher, micro_teacher, t
     np.testing.assert_array_equal(_losses(out), _losses(micro_teacher))
 
 
-def test_missing_local_folder_and_invalid_ids_are_one_line_errors(tmp_path):
-    with pytest.raises(TeacherSourceError, match=r"^teacher 't' .*no such local file or folder"):
+def test_missing_local_folder_and_invalid_ids_are_one_line_errors(micro_teacher, tmp_path):
+    with pytest.raises(TeacherSourceError, match=r"^teacher.model: no such local file or folder: .*nope$"):
         check_teacher_source(teacher(tmp_path / "nope"))
+    with pytest.raises(TeacherSourceError, match=r"^teacher.tokenizer: no such local file or folder: \./nope$"):
+        check_teacher_source(teacher(micro_teacher, tokenizer="./nope"))
     with pytest.raises(TeacherSourceError, match="neither a local folder nor a valid hub id"):
         check_teacher_source(teacher("not//a valid id"))
 
