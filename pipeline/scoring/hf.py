@@ -42,6 +42,8 @@ def load_causal_lm(cfg: ScorerConfig, device: torch.device):
 
     if cfg.dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(_DTYPES)}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # the actor's GPU, by index
     kwargs = dict(
         revision=cfg.revision,
         dtype=_DTYPES[cfg.dtype],
