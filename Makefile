@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: setup score-teacher train-student inspect validate vocab-overlap align-report test test-slow bench repro eval-student compare clean
+.PHONY: setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow bench gpu-bench repro eval-student compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ setup: $(VENV)/.installed
 
 score-teacher: setup
 	$(PY) -m stages.score_teacher $(ARGS)
+
+# A safetensors copy of a teacher that ships only .bin weights (then teacher.model=<printed folder>)
+convert-teacher: setup
+	$(PY) -m stages.convert_teacher $(ARGS)
 
 train-student: setup
 	$(PY) -m stages.train_student $(ARGS)
@@ -49,6 +53,14 @@ test-slow: setup
 
 bench: setup
 	$(PY) -m stages.bench $(ARGS)
+
+# The GPU paths at full scale (7B teacher scoring, 1.1B training step, data pipeline per core):
+# bench-results/gpu-latest.{json,md}. Needs only torch, transformers, accelerate and pyarrow, so it runs with
+# the machine's own Python (no make setup, no network); run it with a vLLM environment's Python
+# (GPU_PYTHON=/path/to/vllm-env/bin/python) to add the vLLM backend. ARGS="--smoke": tiny shapes on CPU.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-bench:
+	$(GPU_PYTHON) -m pipeline.bench.gpu $(ARGS)
 
 # Few-shot chain-of-thought math accuracy of a checkpoint; results side by side
 eval-student: setup

@@ -45,6 +45,7 @@ class TeacherConfig:
     window: int | None = None  # None: the model's max_position_embeddings
     stride: int | None = None  # None: window // 2
     trust_remote_code: bool = False
+    allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); see README
 
 
 @dataclass(frozen=True)
@@ -137,12 +138,19 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         trust_remote_code=cfg.teacher.trust_remote_code,
     )
     window = cfg.teacher.window or _context_length(cfg.teacher)
+    if cfg.scorer.backend == "vllm":
+        window = _vllm_window(window, cfg.teacher)
     stride = cfg.teacher.stride or window // 2
     if not 1 <= stride < window:
         raise ValueError(f"teacher.stride must be in [1, window) = [1, {window}), got {stride}")
     settings = WindowSettings(window=window, stride=stride, bos_id=bos_token_id(tokenizer))
     scorer = ScorerConfig(**{**asdict(cfg.scorer), "model": cfg.teacher.model, "revision": cfg.teacher.revision,
-                             "trust_remote_code": cfg.teacher.trust_remote_code, "window": window})
+                             "trust_remote_code": cfg.teacher.trust_remote_code, "window": window,
+                             "allow_bin": cfg.teacher.allow_bin})
+    if scorer.backend == "vllm":
+        from pipeline.scoring.vllm import engine_args
+
+        engine_args(scorer)  # refuse settings the engine would refuse, before Ray starts
     identity = {
         "teacher": {
             "name": cfg.teacher.name,
@@ -172,6 +180,18 @@ def _check_local_paths(teacher: TeacherConfig) -> None:
         value = getattr(teacher, key)
         if value and _looks_local(value) and not os.path.exists(os.path.expanduser(value)):
             raise FileNotFoundError(f"teacher.{key}: no such local file or folder: {value}")
+
+
+def _vllm_window(window: int, teacher: TeacherConfig) -> int:
+    """The window the vLLM engine can take: one token shorter where the teacher's positions leave
+    no room for the output token vLLM insists on (:func:`pipeline.scoring.vllm.engine_window`)."""
+    from pipeline.scoring.vllm import engine_window
+
+    shorter = engine_window(window, _context_length(teacher))
+    if shorter != window:
+        log.warning("vllm backend: windows of %d tokens, not %d: vLLM needs one position for an output "
+                    "token and %s has %d", shorter, window, teacher.model, shorter + 1)
+    return shorter
 
 
 def _context_length(teacher: TeacherConfig) -> int:

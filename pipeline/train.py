@@ -60,6 +60,7 @@ from storage_schemas.scored import iter_identity_differences
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 RESUME_KEYWORDS = ("auto", "never")
 RUN_NAME = "run.json"
 FINAL_NAME = "final"
@@ -131,6 +132,7 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     precision: str = "auto"  # auto: bf16 on a GPU that supports it, else fp32
+    save_dtype: str = "auto"  # the final model's weights; auto: the training precision (bf16 on GPUs)
     seed: int = 0
     logging_steps: int = 10
     save_steps: int = 500
@@ -148,7 +150,7 @@ class TrainConfig:
 
 # Train settings that do not change what is computed: they may differ on a resume.
 OPERATIONAL = ("logging_steps", "save_steps", "save_total_limit", "resume", "progress", "report_to",
-               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads", "max_nonfinite_in_a_row")
+               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads", "max_nonfinite_in_a_row", "save_dtype")
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
         ("loss.unmapped", loss.unmapped, UNMAPPED), ("loss.aggregate", loss.aggregate, AGGREGATIONS),
         ("loss.alignment", loss.alignment, ALIGNMENTS), ("data.on_bad_shard", data.on_bad_shard, ON_BAD_SHARD),
         ("data.verify", data.verify, VERIFY), ("train.precision", train.precision, PRECISIONS),
+        ("train.save_dtype", train.save_dtype, SAVE_DTYPES),
     ):
         if value not in choices:
             p.append(f"{where}: {value!r} is not one of {', '.join(choices)}")
@@ -510,6 +513,18 @@ def _precision(train: TrainConfig) -> dict:
     return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
 
 
+def final_dtype(train: TrainConfig):
+    """The dtype of the saved final model: ``train.save_dtype``, or for ``auto`` the precision the
+    model was trained in (bf16 or fp16 mixed precision, else float32). Checkpoints for resuming
+    keep the float32 master weights."""
+    import torch
+
+    if train.save_dtype != "auto":
+        return getattr(torch, train.save_dtype)
+    precision = _precision(train)
+    return torch.bfloat16 if precision["bf16"] else torch.float16 if precision["fp16"] else torch.float32
+
+
 def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
     from transformers import TrainingArguments
 
@@ -571,7 +586,8 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
 
 
 def save_final(trainer, job: TrainJobConfig, identity: dict) -> Path:
-    """``save_pretrained`` model and tokenizer in ``<output_dir>/final``, with the data identity.
+    """``save_pretrained`` model (in :func:`final_dtype`; training is over, so the model is cast in
+    place) and tokenizer in ``<output_dir>/final``, with the data identity.
     Written as ``.final.tmp`` and renamed: ``final`` is whole or absent, even after a kill."""
     from pipeline.guided_trainer import write_data_identity
 
@@ -579,6 +595,7 @@ def save_final(trainer, job: TrainJobConfig, identity: dict) -> Path:
     tmp = final.with_name(f".{FINAL_NAME}.tmp")
     if trainer.is_world_process_zero() and tmp.exists():
         shutil.rmtree(tmp)
+    trainer.model.to(final_dtype(job.train))
     trainer.save_model(str(tmp))  # model (safetensors) and the processing class (tokenizer)
     if trainer.is_world_process_zero():
         write_data_identity(tmp, identity)

@@ -20,6 +20,7 @@ from pipeline.score_job import JobSummary, PoolConfig, RayConfig, ScoreJobConfig
 from pipeline.scoring.base import ScorerConfig
 from pipeline.shards import StorageConfig
 from pipeline.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
+from pipeline.teacher_source import check_teacher_source
 from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, raise_if, typed
 
 log = logging.getLogger("score_teacher")
@@ -112,6 +113,7 @@ def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)
     build_embedded(cfg)
+    check_teacher_source(job.teacher)  # one clear line, before Ray, if the teacher cannot be had
     summary = run_score_job(job)
     print_summary(summary)
     (Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir) / "summary.json").write_text(

@@ -104,3 +104,76 @@ class _EncodedScorer:
 
         enc = Encoding(ids=ids, starts=np.zeros_like(ids), ends=np.zeros_like(ids))
         return _score_encodings([enc], self.scorer, WindowSettings(window=window, stride=stride, bos_id=None))[0]
+
+
+def _record_backbone_calls(scorer):
+    """Forward hook on the backbone: each call's keyword arguments and output (real forward)."""
+    calls = []
+    handle = scorer.backbone.register_forward_hook(
+        lambda module, args, kwargs, output: calls.append((kwargs, output)), with_kwargs=True)
+    return calls, handle
+
+
+def test_the_backbone_keeps_no_key_value_cache(teacher):
+    _, scorer = teacher
+    calls, handle = _record_backbone_calls(scorer)
+    try:
+        scorer.score([np.arange(1, 40, dtype=np.int32), np.arange(5, 20, dtype=np.int32)])
+    finally:
+        handle.remove()
+    assert calls
+    for kwargs, output in calls:
+        assert kwargs.get("use_cache") is False
+        assert getattr(output, "past_key_values", None) is None  # no layer's K/V was kept
+
+
+def test_padding_waste_is_small_on_a_mixed_length_batch_and_losses_unchanged(teacher):
+    """Pad tokens actually fed to the backbone (counted from the attention masks it receives),
+    against the same windows batched in their given order under the same token budget."""
+    _, scorer = teacher
+    rng = np.random.default_rng(1)
+    lengths = [64 if i % 3 == 0 else int(rng.integers(2, 64)) for i in range(30)]  # full windows and tails
+    windows = [rng.integers(0, scorer.vocab_size, size=n).astype(np.int32) for n in lengths]
+    budget = 256
+    sorted_scorer = TransformersScorer(ScorerConfig(model="unused", max_batch_tokens=budget), model=scorer.model)
+    calls, handle = _record_backbone_calls(sorted_scorer)
+    try:
+        got = sorted_scorer.score(windows)
+    finally:
+        handle.remove()
+    pads = sum(int((kwargs["attention_mask"] == 0).sum()) for kwargs, _ in calls)
+
+    in_order_pads, group, width = 0, [], 0  # reference: batches in the given order, same budget
+    for n in lengths + [None]:
+        if n is None or (group and max(width, n) * (len(group) + 1) > budget):
+            in_order_pads += len(group) * width - sum(group)
+            group, width = [], 0
+        if n is not None:
+            group.append(n)
+            width = max(width, n)
+    assert in_order_pads > 500, "the reference must waste padding for the comparison to mean anything"
+    assert pads <= 0.5 * in_order_pads, (pads, in_order_pads)
+    for w, losses in zip(windows, got):  # the same losses as each window scored alone
+        np.testing.assert_allclose(losses, scorer.score([w])[0], atol=1e-5, equal_nan=True)
+
+
+def test_weights_are_loaded_onto_the_actor_device(micro_teacher, monkeypatch):
+    """No GPU here: the test checks the argument that makes transformers place each weight on the
+    device while loading (``device_map``), by wrapping the real ``from_pretrained``, and that the
+    loaded model sits on that device."""
+    import transformers
+
+    from pipeline.scoring.hf import load_causal_lm
+
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(kwargs)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    device = torch.device("cpu")
+    model = load_causal_lm(ScorerConfig(model=str(micro_teacher)), device)
+    assert seen and seen[0]["device_map"] == {"": device}
+    assert {p.device for p in model.parameters()} == {device}

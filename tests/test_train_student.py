@@ -178,6 +178,31 @@ def test_too_many_steps_for_the_data_is_refused_before_training(tiny_student, mi
     assert not (tmp_path / "run").exists()
 
 
+def test_final_model_is_saved_in_the_chosen_dtype(tiny_student, micro_scored, tmp_path):
+    """``train.save_dtype=bfloat16``: every tensor of ``final/model.safetensors`` is bf16 (read from
+    the file's own header), the config says so, and it loads; ``auto`` follows the training
+    precision (float32 here on CPU, bf16 when training in bf16)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.train import final_dtype
+
+    job = make_job(tiny_student, micro_scored, tmp_path / "run", steps=1, save_dtype="bfloat16")
+    run_training(job)
+    final = Path(job.output_dir) / "final"
+    with safe_open(final / "model.safetensors", framework="pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}
+    assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(final).dtype == torch.bfloat16
+    with safe_open(Path(job.output_dir) / "checkpoint-1" / "model.safetensors", framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}, "resume keeps float32 master weights"
+    assert final_dtype(TrainConfig(use_cpu=True)) == torch.float32
+    assert final_dtype(TrainConfig(precision="bf16")) == torch.bfloat16
+    assert final_dtype(TrainConfig(precision="bf16", save_dtype="float32")) == torch.float32
+
+
 # --------------------------------------------------------------------------------------------
 # The stage entry point and its configs
 

@@ -10,13 +10,24 @@ pytestmark = [pytest.mark.vllm, pytest.mark.gpu]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM needs a GPU")
-def test_vllm_losses_match_transformers(micro_teacher):
+def test_vllm_losses_match_transformers_on_full_length_windows(micro_teacher):
+    """The micro teacher has 64 positions: the engine takes windows of 63 tokens (one position is
+    left for the output token vLLM insists on); a full-length window and a short one are sent."""
+    from transformers import AutoConfig
+
     from pipeline.scoring.base import ScorerConfig
     from pipeline.scoring.hf import TransformersScorer
-    from pipeline.scoring.vllm import VLLMScorer
+    from pipeline.scoring.vllm import VLLMScorer, engine_window
 
-    ids = np.random.default_rng(0).integers(0, 300, size=40).astype(np.int32)
-    cfg = ScorerConfig(model=str(micro_teacher), window=64, dtype="float32", gpu_memory_utilization=0.2)
-    expected = TransformersScorer(cfg).score([ids])[0]
-    got = VLLMScorer(cfg).score([ids])[0]
-    np.testing.assert_allclose(got, expected, atol=2e-3, equal_nan=True)
+    positions = AutoConfig.from_pretrained(micro_teacher).max_position_embeddings
+    window = engine_window(positions, positions)
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(0, 300, size=n).astype(np.int32) for n in (window, 40)]
+    cfg = ScorerConfig(model=str(micro_teacher), window=window, dtype="float32", gpu_memory_utilization=0.2)
+    expected = TransformersScorer(cfg).score(windows)
+    scorer = VLLMScorer(cfg)
+    assert getattr(scorer.params, "flat_logprobs", True), "flat logprobs where this vLLM has them"
+    got = scorer.score(windows)
+    assert len(got[0]) == window == positions - 1
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, atol=2e-3, equal_nan=True)

@@ -22,6 +22,7 @@ class ScorerConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     trust_remote_code: bool = False
+    allow_bin: bool = False  # also load pickle (.bin) weights, through torch.load(weights_only=True)
     window: int = 2048
     # transformers backend
     max_batch_tokens: int = 16384  # padded tokens per forward
@@ -29,7 +30,8 @@ class ScorerConfig:
     attn_implementation: str | None = None  # None: the transformers default (sdpa)
     # vllm backend
     gpu_memory_utilization: float = 0.85
-    max_num_batched_tokens: int | None = None  # None: the window; caps the prompt-logprob logits block
+    max_num_batched_tokens: int | None = None  # tokens per engine step; None: vLLM's default for the GPU
+    max_num_seqs: int = 256  # requests per engine step; max_num_batched_tokens must be >= this
     tensor_parallel_size: int = 1
     seed: int = 0
 

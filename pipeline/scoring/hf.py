@@ -1,8 +1,10 @@
 """The transformers backend: batched forward passes, float32 log-softmax in bounded memory.
 
-Per batch of windows (sorted by length, right-padded up to ``max_batch_tokens`` padded tokens):
+Per batch of windows (sorted by length so that each batch holds windows of similar length, then
+right-padded, up to ``max_batch_tokens`` padded tokens):
 
-1. the model's backbone gives hidden states ``(B, T, H)`` in the model's dtype (bf16 on GPU);
+1. the model's backbone gives hidden states ``(B, T, H)`` in the model's dtype (bf16 on GPU), with
+   ``use_cache=False``: a scoring pass never decodes, so no layer's keys and values are kept;
 2. only the positions whose prediction is needed are gathered: ``(N, H)``;
 3. the output head runs on chunks of those positions, small enough that one chunk's float32
    logits ``(C, V)`` stays under ``max_logits_bytes`` (about 440 positions for a 151,936-token
@@ -33,21 +35,26 @@ def resolve_device(device: str) -> torch.device:
 
 
 def load_causal_lm(cfg: ScorerConfig, device: torch.device):
-    """Load the teacher with safetensors weights only and remote code off unless configured."""
+    """Load the teacher straight onto ``device`` (``device_map``: no full copy in host memory first),
+    with safetensors weights only (``cfg.allow_bin`` also accepts ``.bin`` weights, which
+    transformers reads with ``torch.load(weights_only=True)``) and remote code off unless configured."""
     from transformers import AutoModelForCausalLM
 
     if cfg.dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(_DTYPES)}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # the actor's GPU, by index
     kwargs = dict(
         revision=cfg.revision,
         dtype=_DTYPES[cfg.dtype],
         trust_remote_code=cfg.trust_remote_code,
-        use_safetensors=True,
+        use_safetensors=None if cfg.allow_bin else True,  # None: safetensors when present, else .bin
+        device_map={"": device},
     )
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
-    return model.to(device).eval()
+    return model.eval()
 
 
 def batches_by_tokens(lengths: Sequence[int], max_batch_tokens: int) -> list[list[int]]:
@@ -107,7 +114,7 @@ class TransformersScorer:
             ids[b, : len(w)] = torch.from_numpy(np.asarray(w, dtype=np.int64))
             mask[b, : len(w)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        hidden = self.backbone(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, H)
+        hidden = self.backbone(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (B, T, H)
         # Position t of the hidden states predicts token t+1.
         predicts = mask[:, 1:].bool()  # (B, T-1)
         h = hidden[:, :-1][predicts]  # (N, H)
