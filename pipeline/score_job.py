@@ -161,11 +161,17 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
     settings = WindowSettings(window=window, stride=stride, bos_id=bos_token_id(tokenizer))
     scorer = ScorerConfig(**{**asdict(cfg.scorer), "model": cfg.teacher.model, "revision": cfg.teacher.revision,
                              "trust_remote_code": cfg.teacher.trust_remote_code, "window": window})
-    tokenizer_facts = {"tokenizer_sha256": fingerprint(tokenizer), "vocab_size": len(tokenizer), "bos_id": settings.bos_id,
-                       "dtype": cfg.scorer.dtype, "backend": cfg.scorer.backend}
     identity = {
         "format": IDENTITY_FORMAT,
-        "teacher": {"name": cfg.teacher.name, **model_identity(cfg.teacher.model, cfg.teacher.revision), **tokenizer_facts},
+        "teacher": {
+            "name": cfg.teacher.name,
+            **model_identity(cfg.teacher.model, cfg.teacher.revision),  # source, model, revision, digests
+            "tokenizer_sha256": fingerprint(tokenizer),
+            "vocab_size": len(tokenizer),
+            "bos_id": settings.bos_id,
+            "dtype": cfg.scorer.dtype,
+            "backend": cfg.scorer.backend,
+        },
         "windows": {"window": window, "stride": stride, "min_left_context": window - stride},
         "loss_precision": cfg.storage.loss_precision,
         "corpus": corpus_identity(cfg.corpus, sources, shards),

@@ -138,7 +138,7 @@ def data_identity_differences(recorded: dict, current: dict) -> list[str]:
 def _comparable(identity: dict, current: dict | None) -> dict:
     out = {k: v for k, v in identity.items() if k not in ("folders", "shards_skipped")}
     now = (current or {}).get("folders") or []
-    folders = []
+    folders = {}  # keyed by position, so that differences are named down to the field
     for i, folder in enumerate(identity.get("folders") or []):
         ident = folder.get("identity")
         adopted = now[i].get("adopted_from") if i < len(now) else None
@@ -146,7 +146,7 @@ def _comparable(identity: dict, current: dict | None) -> dict:
             ident = now[i]["identity"]
             if i == 0:
                 out["teacher"] = current.get("teacher")
-        folders.append({"complete": folder.get("complete"), "identity": ident})
+        folders[str(i)] = {"complete": folder.get("complete"), "identity": ident}
     out["folders"] = folders
     out["shards_skipped"] = [Path(s.get("file", "")).name for s in identity.get("shards_skipped") or []]
     return out
