@@ -172,8 +172,12 @@ def plan_shards(sources: list[SourceFile], rows_per_shard: int, limit_docs: int 
 
 
 def corpus_identity(cfg: CorpusConfig, sources: list[SourceFile], shards: list[ShardSpec]) -> dict:
-    """What proves two runs read the same corpus the same way (names, row counts, sizes, plan)."""
-    listing = [[os.path.basename(s.path), s.rows, s.bytes] for s in sources]
+    """What proves two runs read the same corpus the same way: each file's name (the document ids
+    hold it), row count, size and content sha256, and the shard plan; never the files' paths."""
+    from pipeline.identity import files_sha256
+
+    digests = files_sha256([s.path for s in sources])
+    listing = [[os.path.basename(s.path), s.rows, s.bytes, d] for s, d in zip(sources, digests)]
     return {
         "name": cfg.name,
         "source": cfg.source,
@@ -189,6 +193,13 @@ def corpus_identity(cfg: CorpusConfig, sources: list[SourceFile], shards: list[S
         "n_shards": len(shards),
         "n_docs": sum(s.stop - s.start for s in shards),
     }
+
+
+def legacy_files_sha256(sources: list[SourceFile]) -> str:
+    """``files_sha256`` as identity format 1 computed it (names, row counts, sizes; no content), to
+    compare a manifest written before the content digests with this corpus."""
+    listing = [[os.path.basename(s.path), s.rows, s.bytes] for s in sources]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

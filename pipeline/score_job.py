@@ -6,6 +6,10 @@ pool of :class:`ShardScorer` actors, each holding the teacher once (``num_gpus``
 config), takes pending shards as they free up. An actor that dies is restarted by Ray and its shard
 is redone whole (``max_restarts``/``max_task_retries``). Each actor writes its shard and marker
 itself, so a shard is complete on disk before the driver hears of it.
+
+The dataset's identity (what the teacher, tokenizer, windows and corpus *are*: digests and hub ids,
+:mod:`pipeline.identity`) is compared on every rerun; where they were found is written to the
+manifest's ``location`` and never compared, so a moved or copied project resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -18,7 +22,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline import __version__
-from pipeline.corpus import CorpusConfig, ShardSpec, corpus_identity, plan_shards, read_shard, resolve_sources
+from pipeline.corpus import (
+    CorpusConfig,
+    ShardSpec,
+    SourceFile,
+    corpus_identity,
+    legacy_files_sha256,
+    plan_shards,
+    read_shard,
+    resolve_sources,
+)
+from pipeline.identity import is_local_model, model_identity
 from pipeline.scoring.base import ScorerConfig
 from pipeline.shards import (
     DatasetMismatchError,
@@ -32,6 +46,7 @@ from pipeline.shards import (
 )
 from pipeline.teacher import SKIP_REASONS, WindowSettings
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
+from storage_schemas import IDENTITY_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +93,7 @@ class ScoreJobConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     progress: bool = True
     manifest_every_s: float = 10.0
+    migrate_identity: bool = False  # adopt this identity for a folder whose manifest predates it
 
 
 @dataclass
@@ -125,6 +141,8 @@ class Prepared:
     identity: dict
     scorer: ScorerConfig  # with the window resolved
     settings: WindowSettings
+    location: dict = field(default_factory=dict)  # where the teacher and corpus are (never compared)
+    legacy: dict = field(default_factory=dict)  # this setup as identity format 1 recorded it, less locations
 
 
 def prepare(cfg: ScoreJobConfig) -> Prepared:
@@ -152,11 +170,10 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
 
         engine_args(scorer)  # refuse settings the engine would refuse, before Ray starts
     identity = {
+        "format": IDENTITY_FORMAT,
         "teacher": {
             "name": cfg.teacher.name,
-            "model": cfg.teacher.model,
-            "revision": cfg.teacher.revision,
-            "tokenizer": cfg.teacher.tokenizer or cfg.teacher.model,
+            **model_identity(cfg.teacher.model, cfg.teacher.revision),  # source, model, revision, digests
             "tokenizer_sha256": fingerprint(tokenizer),
             "vocab_size": len(tokenizer),
             "bos_id": settings.bos_id,
@@ -167,7 +184,30 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         "loss_precision": cfg.storage.loss_precision,
         "corpus": corpus_identity(cfg.corpus, sources, shards),
     }
-    return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings)
+    return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings,
+                    location=_location(cfg.teacher, sources), legacy=_legacy_view(cfg, identity, sources))
+
+
+def _location(teacher: TeacherConfig, sources: list[SourceFile]) -> dict:
+    """Where the teacher, its tokenizer and the corpus files were found, for people (not compared)."""
+    def where(name: str) -> str:
+        return os.path.abspath(os.path.expanduser(name)) if is_local_model(name) else name
+
+    return {"teacher_model": where(teacher.model), "teacher_tokenizer": where(teacher.tokenizer or teacher.model),
+            "corpus_files": [os.path.abspath(s.path) for s in sources]}
+
+
+def _legacy_view(cfg: ScoreJobConfig, identity: dict, sources: list[SourceFile]) -> dict:
+    """This setup as identity format 1 recorded it, less what format 1 could only record as a
+    location (a local teacher's path, the tokenizer's path): what a manifest written by an older
+    version can be checked against (:func:`pipeline.shards.folder_problem`)."""
+    teacher = {k: identity["teacher"][k] for k in ("name", "tokenizer_sha256", "vocab_size", "bos_id", "dtype", "backend")}
+    teacher["revision"] = cfg.teacher.revision
+    if identity["teacher"]["source"] == "hub":
+        teacher["model"] = cfg.teacher.model
+    corpus = {**identity["corpus"], "files_sha256": legacy_files_sha256(sources)}
+    return {"teacher": teacher, "windows": identity["windows"], "loss_precision": identity["loss_precision"],
+            "corpus": corpus}
 
 
 def _looks_local(name: str) -> bool:
@@ -260,14 +300,16 @@ def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
 def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
     """Check an existing folder before creating anything in it (the check repeats under the lock)."""
     if Path(cfg.output_dir).is_dir() and not cfg.overwrite:
-        problem = folder_problem(Path(cfg.output_dir), prepared.identity)
+        problem = folder_problem(Path(cfg.output_dir), prepared.identity, legacy=prepared.legacy,
+                                 migrate=cfg.migrate_identity)
         if problem:
             raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
 
 
 def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     version = code_version()
-    done = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite)
+    done, extra = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, legacy=prepared.legacy,
+                                 migrate=cfg.migrate_identity, location=prepared.location)
     pending = [s for s in prepared.shards if s.index not in done]
     if cfg.limit_shards is not None:
         pending = pending[: cfg.limit_shards]
@@ -275,12 +317,12 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     scored: list[dict] = []
     if pending:
         try:
-            scored = _run_pool(cfg, prepared, pending, version, done)
+            scored = _run_pool(cfg, prepared, pending, version, done, extra)
         except BaseException:
-            _record_progress(cfg.output_dir, prepared, version)  # list what did finish, then fail
+            _record_progress(cfg.output_dir, prepared, version, extra)  # list what did finish, then fail
             raise
     done = finished_shards(cfg.output_dir)
-    manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version)
+    manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version, **extra)
     totals = manifest["totals"]
     return JobSummary(
         output_dir=str(cfg.output_dir),
@@ -298,14 +340,15 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     )
 
 
-def _record_progress(output_dir: str, prepared: Prepared, version: str) -> None:
+def _record_progress(output_dir: str, prepared: Prepared, version: str, extra: dict) -> None:
     try:
-        write_manifest(output_dir, prepared.identity, finished_shards(output_dir), len(prepared.shards), version)
+        write_manifest(output_dir, prepared.identity, finished_shards(output_dir), len(prepared.shards), version, **extra)
     except OSError as exc:  # e.g. the disk is full: the markers still hold the truth
         log.warning("could not update %s/manifest.json after the failure: %s", output_dir, exc)
 
 
-def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec], version: str, done: dict) -> list[dict]:
+def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec], version: str, done: dict,
+              extra: dict) -> list[dict]:
     import ray
     from ray.util import ActorPool
     from tqdm.auto import tqdm
@@ -341,7 +384,7 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
             bar.set_postfix(docs=sum(e["rows"] for e in scored), tokens=tokens,
                             tok_s=f"{tokens / max(time.perf_counter() - t_start, 1e-9):.0f}")
             if time.monotonic() - last_manifest > cfg.manifest_every_s:
-                write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version)
+                write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version, **extra)
                 last_manifest = time.monotonic()
         bar.close()
         for actor in actors:

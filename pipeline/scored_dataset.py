@@ -16,8 +16,9 @@ A shard that fails a check is an error naming the file (``on_bad_shard="error"``
 left out with a warning and counted (``"skip"``); the skipped shards are part of the dataset's
 identity, so a run never resumes on a different selection of shards.
 
-The dataset's identity (each folder's manifest sha256 and identity, the shards used and skipped) is
-what stage 2 records in every checkpoint. Reading rows goes through :class:`ShardReader`, which
+The dataset's identity (each folder's identity, the shards used and skipped, by file name and
+sha256) is what stage 2 records in every checkpoint; :func:`data_identity_differences` compares two
+of them without the folders' paths, so a run resumes on a moved or copied dataset. Reading rows goes through :class:`ShardReader`, which
 keeps a few decoded row groups per process (data-loader worker) and names the file on any error.
 """
 
@@ -40,8 +41,10 @@ from storage_schemas import (
     META_IDENTITY,
     ContractError,
     file_sha256,
+    identity_format,
     read_manifest,
     read_shard_metadata,
+    shard_identity_differences,
 )
 from storage_schemas.scored import iter_identity_differences
 
@@ -87,13 +90,14 @@ class ScoredFolder:
     identity: dict
     complete: bool
     n_shards_planned: int
+    adopted_from: dict | None = None  # the format-1 identity its older shards carry, once migrated
 
 
 @dataclass
 class ScoredDataset:
     folders: list[ScoredFolder]
     shards: list[ShardInfo]
-    skipped: list[dict] = field(default_factory=list)  # [{"file", "reason"}]
+    skipped: list[dict] = field(default_factory=list)  # [{"folder", "file", "reason"}], file relative to its folder
 
     @property
     def teacher(self) -> dict:
@@ -104,11 +108,13 @@ class ScoredDataset:
         return sum(s.rows for s in self.shards)
 
     def identity(self) -> dict:
-        """What a checkpoint records: enough to prove which scored data a student was trained on."""
+        """What a checkpoint records: enough to prove which scored data a student was trained on.
+        Each folder's ``path`` and ``manifest_sha256`` say where it was and which manifest was read,
+        for people; :func:`data_identity_differences` leaves them out (module docstring)."""
         return {
             "folders": [
                 {"path": str(f.path), "manifest_sha256": f.manifest_sha256, "complete": f.complete,
-                 "identity": f.identity}
+                 "identity": f.identity, "adopted_from": f.adopted_from}
                 for f in self.folders
             ],
             "teacher": self.teacher,
@@ -117,6 +123,33 @@ class ScoredDataset:
             "shards_skipped": self.skipped,
             "n_documents": self.n_documents,
         }
+
+
+def data_identity_differences(recorded: dict, current: dict) -> list[str]:
+    """How the data identity ``current`` (:meth:`ScoredDataset.identity`, plus what stage 2 adds)
+    differs from ``recorded`` (a checkpoint's), leaving out where things are: each folder's path
+    and manifest sha256 (the manifest also holds the location and code version of the last rerun,
+    which change when the data does not; the shards' sha256, which cover each shard's footer and
+    the identity in it, pin the data) and the paths and wording of skipped shards. A folder
+    migrated since the record (``adopted_from``) matches the identity it was adopted from."""
+    return list(iter_identity_differences(_comparable(recorded, current), _comparable(current, None)))
+
+
+def _comparable(identity: dict, current: dict | None) -> dict:
+    out = {k: v for k, v in identity.items() if k not in ("folders", "shards_skipped")}
+    now = (current or {}).get("folders") or []
+    folders = {}  # keyed by position, so that differences are named down to the field
+    for i, folder in enumerate(identity.get("folders") or []):
+        ident = folder.get("identity")
+        adopted = now[i].get("adopted_from") if i < len(now) else None
+        if adopted is not None and ident == adopted:
+            ident = now[i]["identity"]
+            if i == 0:
+                out["teacher"] = current.get("teacher")
+        folders[str(i)] = {"complete": folder.get("complete"), "identity": ident}
+    out["folders"] = folders
+    out["shards_skipped"] = [Path(s.get("file", "")).name for s in identity.get("shards_skipped") or []]
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,20 +182,20 @@ def open_scored_dataset(
         for entry in entries:
             shard, problem = _check_shard(folder, index, entry, verify)
             if problem:
-                bad.append({"file": str(folder.path / entry.get("file", "?")), "reason": problem})
+                bad.append({"folder": index, "file": entry.get("file", "?"), "reason": problem})
             else:
                 shards.append(shard)
     if bad and on_bad_shard == "error":
-        raise BadShardError(_bad_message(bad))
+        raise BadShardError(_bad_message(bad, paths))
     for b in bad:
-        log.warning("skipping shard %s: %s", b["file"], b["reason"])
+        log.warning("skipping shard %s: %s", paths[b["folder"]] / b["file"], b["reason"])
     if not shards:
-        raise ContractError(f"no usable shard in {[str(p) for p in paths]}" + (f"\n{_bad_message(bad)}" if bad else ""))
+        raise ContractError(f"no usable shard in {[str(p) for p in paths]}" + (f"\n{_bad_message(bad, paths)}" if bad else ""))
     return ScoredDataset(folders=[f for f, _ in opened], shards=shards, skipped=bad)
 
 
-def _bad_message(bad: list[dict]) -> str:
-    lines = "\n  ".join(f"{b['file']}: {b['reason']}" for b in bad)
+def _bad_message(bad: list[dict], paths: list[Path]) -> str:
+    lines = "\n  ".join(f"{paths[b['folder']] / b['file']}: {b['reason']}" for b in bad)
     return (f"{len(bad)} unreadable shard(s):\n  {lines}\n"
             "Rescore them (make score-teacher finds and redoes them), or set data.on_bad_shard=skip.")
 
@@ -185,6 +218,7 @@ def _open_folder(path: Path, allow_partial: bool) -> tuple[ScoredFolder, list[di
         identity=manifest.get("identity", {}),
         complete=complete,
         n_shards_planned=planned,
+        adopted_from=manifest.get("adopted_from"),
     )
     return folder, list(manifest["shards"])
 
@@ -197,9 +231,13 @@ def _check_one_teacher(opened: list[tuple[ScoredFolder, list[dict]]]) -> None:
             for d in iter_identity_differences(first.identity.get(key) or {}, folder.identity.get(key) or {}, f"{key}.")
         ]
         if diffs:
+            older = [f.path for f in (first, folder) if identity_format(f.identity) == 1]
+            hint = "" if not older or len(older) == 2 else (
+                f"\n{older[0]} was scored by an older version, which recorded the teacher by its path: run "
+                "make score-teacher for it with migrate_identity=true added (nothing is rescored).")
             raise MixedTeachersError(
                 f"{folder.path} was scored with a different teacher setup than {first.path}; one run trains "
-                "against one teacher:\n  " + "\n  ".join(diffs)
+                "against one teacher:\n  " + "\n  ".join(diffs) + hint
             )
 
 
@@ -216,7 +254,8 @@ def _check_shard(folder: ScoredFolder, index: int, entry: dict, verify: str) -> 
         parquet_meta = pq.ParquetFile(path).metadata
     except Exception as exc:  # ContractError, or pyarrow's errors on a damaged footer
         return None, f"unreadable footer or schema ({exc})"
-    diffs = list(iter_identity_differences(meta[META_IDENTITY], folder.identity))
+    diffs = shard_identity_differences(meta[META_IDENTITY], {"identity": folder.identity,
+                                                             "adopted_from": folder.adopted_from})
     if diffs:
         return None, "scored with another identity than its folder's manifest: " + "; ".join(diffs[:5])
     if parquet_meta.num_rows != entry.get("rows"):

@@ -6,7 +6,11 @@
 * ``manifest.json`` is written at the start of a run (identity, no shards yet or the shards already
   done) and rewritten from the markers as shards finish; readers use the shards it lists.
 * A folder scored with another identity (teacher, tokenizer, window, corpus, plan) is refused with
-  the list of differences, unless ``overwrite`` is set, which deletes its shards first.
+  the list of differences, unless ``overwrite`` is set, which deletes its shards first. The identity
+  holds no paths (:mod:`storage_schemas.scored`), so a moved or copied folder is the same dataset.
+* A folder whose manifest predates the content identity (format 1, which recorded the teacher by
+  its path) is checked on everything format 1 recorded; it is refused with the one command that
+  adopts the new identity (``migrate_identity``), never rescored silently.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ import pyarrow.parquet as pq
 
 from pipeline.teacher import ScoredDocument, ShardResult
 from storage_schemas import (
+    IDENTITY_FORMAT,
     MANIFEST_NAME,
     ROW_SCHEMA,
     SCHEMA_VERSION,
     file_sha256,
+    identity_format,
     marker_name,
     schema_with_metadata,
     shard_name,
@@ -216,30 +222,53 @@ def _fsync_dir(path: Path) -> None:
 # The dataset folder
 
 
-def prepare_output(folder: str | os.PathLike, identity: dict, overwrite: bool) -> dict[int, dict]:
-    """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries.
+def prepare_output(
+    folder: str | os.PathLike,
+    identity: dict,
+    overwrite: bool,
+    *,
+    legacy: dict | None = None,
+    migrate: bool = False,
+    location: dict | None = None,
+) -> tuple[dict[int, dict], dict]:
+    """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries and
+    the manifest's extra fields (``location``, and ``adopted_from`` once a format-1 identity was
+    migrated) for every later :func:`write_manifest` of the run.
 
     Refuses (``DatasetMismatchError``) a folder scored with another identity or holding shards
-    without a manifest, unless ``overwrite``. Leftover temporary files are removed.
+    without a manifest, unless ``overwrite``; ``legacy`` and ``migrate`` as in :func:`folder_problem`.
+    Leftover temporary files are removed.
     """
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise DatasetMismatchError(f"{folder}: exists and is not a folder")
+    extra: dict = {"location": location}
     if folder.is_dir():
-        problem = folder_problem(folder, identity)
+        problem = folder_problem(folder, identity, legacy=legacy, migrate=migrate)
         if problem and not overwrite:
             raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
         if problem:
             _clear_dataset(folder)
+        elif (folder / MANIFEST_NAME).is_file():
+            old = json.loads((folder / MANIFEST_NAME).read_text())
+            recorded = old.get("identity") or {}
+            extra["adopted_from"] = old.get("adopted_from") if recorded == identity else recorded
     folder.mkdir(parents=True, exist_ok=True)
     for leftover in folder.glob(".*.tmp-*"):
         leftover.unlink()
     done = finished_shards(folder)
-    write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"])
-    return done
+    write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"], **extra)
+    return done, extra
 
 
-def folder_problem(folder: Path, identity: dict) -> str | None:
+def folder_problem(folder: Path, identity: dict, *, legacy: dict | None = None, migrate: bool = False) -> str | None:
+    """Why ``folder`` cannot take a run with ``identity`` (None: it can).
+
+    A manifest of identity format 1 is compared with ``legacy`` (this setup as format 1 recorded
+    it, less the paths); when that matches, the folder is still refused, because format 1 cannot
+    prove which teacher weights and corpus bytes scored it, unless ``migrate`` (the user vouches
+    for them), which adopts ``identity`` for the folder.
+    """
     manifest_path = folder / MANIFEST_NAME
     if manifest_path.exists():
         try:
@@ -248,13 +277,37 @@ def folder_problem(folder: Path, identity: dict) -> str | None:
             return f"{manifest_path}: unreadable manifest ({exc})"
         if old.get("schema_version") != SCHEMA_VERSION:
             return f"{folder}: holds schema version {old.get('schema_version')!r}, this code writes {SCHEMA_VERSION}"
-        diffs = list(iter_identity_differences(old.get("identity", {}), identity))
+        recorded = old.get("identity", {})
+        if identity_format(recorded) == 1 and identity_format(identity) == IDENTITY_FORMAT and legacy is not None:
+            return _legacy_problem(folder, recorded, legacy, migrate)
+        diffs = list(iter_identity_differences(recorded, identity))
         if diffs:
             return f"{folder} was scored with a different setup:\n  " + "\n  ".join(diffs)
         return None
     if any(folder.glob("shard-*.parquet")):
         return f"{folder}: holds shard files but no {MANIFEST_NAME}; its origin is unknown"
     return None
+
+
+def _legacy_problem(folder: Path, recorded: dict, legacy: dict, migrate: bool) -> str | None:
+    """:func:`folder_problem` for a manifest of identity format 1."""
+    teacher = dict(recorded.get("teacher") or {})
+    teacher.pop("tokenizer", None)  # a path or hub id; the tokenizer's sha256 says what it is
+    if "model" not in legacy.get("teacher", {}):
+        teacher.pop("model", None)  # the local teacher's path: its weights are not recorded
+    diffs = list(iter_identity_differences({**recorded, "teacher": teacher}, legacy))
+    if diffs:
+        return f"{folder} was scored with a different setup:\n  " + "\n  ".join(diffs)
+    if migrate:
+        return None
+    where = (recorded.get("teacher") or {}).get("model")
+    return (
+        f"{folder} was scored by an older version, whose manifest records the teacher by its path "
+        f"({where!r}) and the corpus files by name and size, not by content. Everything it does "
+        "record matches this setup. If this teacher and corpus scored it, adopt the content identity "
+        "without rescoring: run the same command with migrate_identity=true added "
+        "(make score-teacher ARGS=\"... migrate_identity=true\")."
+    )
 
 
 def _clear_dataset(folder: Path) -> None:
@@ -284,7 +337,19 @@ def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:
     return done
 
 
-def write_manifest(folder: str | os.PathLike, identity: dict, done: dict[int, dict], n_planned: int, code_version: str | None = None) -> dict:
+def write_manifest(
+    folder: str | os.PathLike,
+    identity: dict,
+    done: dict[int, dict],
+    n_planned: int,
+    code_version: str | None = None,
+    *,
+    location: dict | None = None,
+    adopted_from: dict | None = None,
+) -> dict:
+    """Write ``manifest.json`` from the finished shards' entries. ``location`` (where the teacher
+    and corpus were found) is for people and never compared; ``adopted_from`` is the format-1
+    identity that shards written before a migration still carry."""
     shards = [done[i] for i in sorted(done)]
     reasons: dict[str, int] = {}
     for entry in shards:
@@ -305,5 +370,9 @@ def write_manifest(folder: str | os.PathLike, identity: dict, done: dict[int, di
         },
         "shards": shards,
     }
+    if location is not None:
+        manifest["location"] = location
+    if adopted_from is not None:
+        manifest["adopted_from"] = adopted_from
     write_json_atomic(Path(folder) / MANIFEST_NAME, manifest)
     return manifest

@@ -19,6 +19,10 @@ Resume (``train.resume``): ``auto`` continues from the newest *complete* checkpo
 never resumed from, and it is deleted when the run folder is prepared. A resume is refused when the
 recipe (``run.json``) or the data identity (scored shards, student tokenizer, packing) differs from
 the checkpoint's: a resumed run must see exactly the batches the interrupted one would have seen.
+Both are compared by content, not location: the student model by its digests or hub id
+(:func:`pipeline.identity.model_identity`, recorded in ``run.json``), the scored data by identity and
+shard sha256 (:func:`pipeline.scored_dataset.data_identity_differences`), so a run whose project
+folder moved resumes.
 Resuming restores the weights, AdamW's state, the learning-rate schedule, the RNG states and the
 data position (the Trainer skips the batches already trained), so on CPU a run killed at any
 moment and resumed logs exactly the per-step losses of an uninterrupted run
@@ -50,7 +54,8 @@ from pathlib import Path
 
 from pipeline.align import AGGREGATIONS
 from pipeline.guided_loss import MODES, RANK_OVER, UNMAPPED, SelectionConfig
-from pipeline.scored_dataset import ON_BAD_SHARD, VERIFY, open_scored_dataset
+from pipeline.identity import model_identity
+from pipeline.scored_dataset import ON_BAD_SHARD, VERIFY, data_identity_differences, open_scored_dataset
 from pipeline.shards import exclusive_writer
 from pipeline.student_data import ALIGNMENTS, AlignmentConfig, PackingConfig, StudentData, build_student_data
 from pipeline.tokenization import fingerprint, load_tokenizer
@@ -271,15 +276,16 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
                                trust_remote_code=job.student.trust_remote_code)
     with args.main_process_first(local=True, desc="scored data"):
         data = prepare_data(job, tokenizer)
+        student = model_identity(job.student.model, job.student.revision)  # digests cached for the other ranks
     args.max_steps = _number_of_steps(job, data, world_size, accumulation, tokens_per_step)
     identity = data.identity(fingerprint(tokenizer), _packing(job))
 
     if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
         lock.enter_context(exclusive_writer(job.output_dir, what="training run"))
-    checkpoint = resolve_checkpoint(job, identity)
+    checkpoint = resolve_checkpoint(job, identity, student)
     with args.main_process_first(local=False, desc="run folder"):
         if args.process_index == 0:
-            prepare_run_folder(job, checkpoint)
+            prepare_run_folder(job, checkpoint, student)
 
     trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks)
     final = save_final(trainer, job, identity)
@@ -378,8 +384,9 @@ def checkpoint_folders(out: str | os.PathLike) -> tuple[list[Path], list[Path]]:
     return [p for p in found if is_complete_checkpoint(p)], [p for p in found if not is_complete_checkpoint(p)]
 
 
-def resolve_checkpoint(job: TrainJobConfig, identity: dict) -> str | None:
-    """The checkpoint to resume from (``train.resume``), after checking it continues this run."""
+def resolve_checkpoint(job: TrainJobConfig, identity: dict, student: dict | None = None) -> str | None:
+    """The checkpoint to resume from (``train.resume``), after checking it continues this run;
+    ``student`` is the student model's identity (:func:`pipeline.identity.model_identity`)."""
     from pipeline.guided_trainer import is_complete_checkpoint
 
     out = Path(job.output_dir)
@@ -402,7 +409,7 @@ def resolve_checkpoint(job: TrainJobConfig, identity: dict) -> str | None:
     if not is_complete_checkpoint(checkpoint):
         raise RunMismatchError(f"cannot resume {checkpoint}: it is incomplete (no checkpoint_complete.json; the "
                                "process died while saving it). Resume from an earlier checkpoint.")
-    problems = _resume_differences(job, identity, Path(checkpoint))
+    problems = _resume_differences(job, identity, Path(checkpoint), student)
     if problems:
         raise RunMismatchError(
             f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems)
@@ -411,34 +418,40 @@ def resolve_checkpoint(job: TrainJobConfig, identity: dict) -> str | None:
     return str(checkpoint)
 
 
-def _resume_differences(job: TrainJobConfig, identity: dict, checkpoint: Path) -> list[str]:
+def _resume_differences(job: TrainJobConfig, identity: dict, checkpoint: Path, student: dict | None) -> list[str]:
     from pipeline.guided_trainer import read_data_identity
 
     problems = []
     run_file = checkpoint.parent / RUN_NAME
     if run_file.is_file():
-        recorded = json.loads(run_file.read_text()).get("recipe", {})
-        problems += [f"recipe {d}" for d in iter_identity_differences(recorded, _jsonable(job.recipe()))]
+        record = json.loads(run_file.read_text())
+        recorded, now = record.get("recipe", {}), _jsonable(job.recipe())
+        if record.get("student") is not None and student is not None:
+            # the student is compared by what it is; its paths only say where it was
+            recorded, now = _without_student_paths(recorded), _without_student_paths(now)
+            problems += [f"student {d}" for d in iter_identity_differences(record["student"], student)]
+        problems += [f"recipe {d}" for d in iter_identity_differences(recorded, now)]
     recorded_data = read_data_identity(checkpoint)
     if recorded_data is None:
         problems.append(f"{checkpoint} has no data_identity.json")
     else:
-        problems += [f"data {d}" for d in iter_identity_differences(_without_paths(recorded_data), _without_paths(identity))]
+        problems += [f"data {d}" for d in data_identity_differences(recorded_data, identity)]
     return [p if len(p) <= 300 else p[:297] + "..." for p in problems]  # shard lists can be long
 
 
-def _without_paths(identity: dict) -> dict:
-    """The data identity without where the folders are: a moved dataset is the same dataset."""
-    return {**identity, "folders": [{k: v for k, v in f.items() if k != "path"} for f in identity.get("folders", [])]}
+def _without_student_paths(recipe: dict) -> dict:
+    student = {k: v for k, v in (recipe.get("student") or {}).items() if k not in ("model", "tokenizer")}
+    return {**recipe, "student": student}
 
 
 def _jsonable(obj):
     return json.loads(json.dumps(obj))
 
 
-def prepare_run_folder(job: TrainJobConfig, checkpoint: str | None) -> None:
+def prepare_run_folder(job: TrainJobConfig, checkpoint: str | None, student: dict | None = None) -> None:
     """Create the folder, clear it when ``overwrite``, delete incomplete checkpoints (left by a
-    process killed while saving) and record the recipe (main process only)."""
+    process killed while saving) and record the recipe and the student's identity (main process
+    only)."""
     out = Path(job.output_dir)
     for path in checkpoint_folders(out)[1] if out.is_dir() else []:
         log.warning("deleting incomplete checkpoint %s", path)
@@ -451,7 +464,7 @@ def prepare_run_folder(job: TrainJobConfig, checkpoint: str | None) -> None:
                 path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     if checkpoint is None or not (out / RUN_NAME).is_file():
-        write_json_atomic(out / RUN_NAME, {"recipe": job.recipe(), "output_dir": str(out)})
+        write_json_atomic(out / RUN_NAME, {"recipe": job.recipe(), "student": student, "output_dir": str(out)})
 
 
 def _trainer_state(checkpoint: str | None) -> dict:

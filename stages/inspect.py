@@ -206,12 +206,14 @@ def cmd_summary(ctx: Context) -> int:
     return 0
 
 
-def _special_ids(ctx: Context, manifest_identity: dict) -> list[int]:
+def _special_ids(ctx: Context, manifest: dict) -> list[int]:
+    from pipeline.inspection.dataset import teacher_tokenizer_location
+
     setting = ctx.cfg.validate.special_ids
     if setting != "auto":
         return [int(i) for i in setting]
-    source = (manifest_identity.get("teacher") or {}).get("tokenizer")
-    if not manifest_identity:
+    source = teacher_tokenizer_location(manifest)
+    if not manifest.get("identity"):
         return []  # no manifest: validate_dataset reports it
     if not source or not Path(source).exists():
         ctx.console.print("[dim]validate: the teacher tokenizer is not local; every empty text slice counts as an error[/dim]")
@@ -227,10 +229,10 @@ def cmd_validate(ctx: Context) -> int:
     from storage_schemas import ContractError, read_manifest
 
     try:
-        identity = read_manifest(ctx.path).get("identity") or {}
+        manifest = read_manifest(ctx.path)
     except ContractError:
-        identity = {}  # reported by validate_dataset itself
-    report = validate_dataset(ctx.path, checksums=bool(ctx.cfg.validate.checksums), special_ids=_special_ids(ctx, identity))
+        manifest = {}  # reported by validate_dataset itself
+    report = validate_dataset(ctx.path, checksums=bool(ctx.cfg.validate.checksums), special_ids=_special_ids(ctx, manifest))
     for item in terminal.validation_renderables(report, ctx.cfg.validate.max_lines):
         ctx.console.print(item)
     write_json(ctx.out_dir / "validation.json", report.to_dict(), ctx.console)
@@ -241,7 +243,7 @@ def cmd_vocab_overlap(ctx: Context) -> int:
     from pipeline.inspection import terminal
     from pipeline.inspection.vocab_overlap import load_vocabulary, vocab_overlap
 
-    teacher = _local(ctx.cfg.teacher) or ctx.dataset.teacher.get("tokenizer")
+    teacher = _local(ctx.cfg.teacher) or ctx.dataset.teacher_tokenizer
     student = _local(ctx.cfg.student)
     overlap = vocab_overlap(load_vocabulary(teacher), load_vocabulary(student))
     ctx.console.print(terminal.overlap_table(overlap))
@@ -296,7 +298,7 @@ def cmd_html(ctx: Context) -> int:
             view = StudentView(ctx.cfg.student, encoding, tokenizer.convert_ids_to_tokens(encoding.ids.tolist()),
                                aligned.teacher_loss, ctx.cfg.align.how)
         sections.append(document_section(record, scale, view, ctx.cfg.html.max_chars, heading))
-    meta = [("dataset", f"{ctx.dataset.name} ({ctx.path})"), ("teacher", str(ctx.dataset.teacher.get("model"))),
+    meta = [("dataset", f"{ctx.dataset.name} ({ctx.path})"), ("teacher", ctx.dataset.teacher_model),
             ("student", ctx.cfg.student or "none (student=<tokenizer> to show its boundaries)")]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", ctx.cfg.doc) if ctx.cfg.doc else "overview"
     if ctx.cfg.student:

@@ -65,6 +65,7 @@ def score(cfg: DictConfig, teachers: dict[str, Path], corpus_files: list[Path]) 
             f"teacher.model={folder}", f"teacher.name=repro-{name}", "teacher.embedded=false",
             "data.name=repro-student", "data.embedded=false", f"data.files=[{corpus_files[0].parent}/*.parquet]",
             "data.rows_per_shard=100", f"output_dir={out}", "progress=false", "pool.num_cpus=2",
+            f"migrate_identity={bool(cfg.migrate_identity)}",
         ])
         t0 = time.perf_counter()
         summary = run_score_job(job_config(stage_cfg))

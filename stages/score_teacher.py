@@ -45,14 +45,26 @@ def job_config(cfg: DictConfig) -> ScoreJobConfig:
     if corpus and corpus.source not in ("files", "hub"):
         problems.append(f"data.source: {corpus.source!r} is not one of files, hub")
     raise_if(problems)
-    if teacher.model and not teacher.model.startswith(("/", ".")) and Path(teacher.model).exists():
-        teacher = TeacherConfig(**{**teacher.__dict__, "model": to_absolute_path(teacher.model)})
+    teacher = _absolute_paths(teacher, embedded=bool(cfg.teacher.get("embedded")))
     corpus = CorpusConfig(**{**corpus.__dict__, "files": [to_absolute_path(f) for f in corpus.files]})
     return ScoreJobConfig(
         teacher=teacher, corpus=corpus, scorer=scorer, ray=ray_cfg, pool=pool,
         output_dir=to_absolute_path(cfg.output_dir), overwrite=bool(cfg.overwrite),
         limit_shards=cfg.limit_shards, storage=storage, progress=bool(cfg.progress),
+        migrate_identity=bool(cfg.migrate_identity),
     )
+
+
+def _absolute_paths(teacher: TeacherConfig, embedded: bool) -> TeacherConfig:
+    """Local teacher and tokenizer paths (and the embedded teacher's, built later) become absolute
+    for the actors; hub ids stay as they are. Paths are not part of the dataset's identity."""
+    model = teacher.model
+    if model and (embedded or Path(model).exists()):
+        model = to_absolute_path(model)
+    tokenizer = teacher.tokenizer
+    if tokenizer and Path(tokenizer).exists():
+        tokenizer = to_absolute_path(tokenizer)
+    return TeacherConfig(**{**teacher.__dict__, "model": model, "tokenizer": tokenizer})
 
 
 def build_embedded(cfg: DictConfig) -> None:

@@ -1,6 +1,7 @@
 """The Parquet contract between the stages. Depends on pyarrow and the standard library only."""
 
 from storage_schemas.scored import (  # noqa: F401
+    IDENTITY_FORMAT,
     LIST_COLUMNS,
     MANIFEST_NAME,
     META_CODE_VERSION,
@@ -15,10 +16,12 @@ from storage_schemas.scored import (  # noqa: F401
     check_schema,
     complete_shard_files,
     file_sha256,
+    identity_format,
     marker_name,
     read_manifest,
     read_shard_metadata,
     schema_with_metadata,
+    shard_identity_differences,
     shard_name,
     write_json_atomic,
 )

@@ -23,6 +23,15 @@ losses        list<float32>    -log p_teacher(token | left context); NaN where n
 
 Every shard carries Parquet key-value metadata under the keys in :data:`META_KEYS` (all JSON
 strings). This module depends on pyarrow and the standard library only.
+
+The dataset identity (``manifest.json``'s ``identity``, and each shard's ``vocagno.identity``) says
+what produced the data, never where it sits: the teacher by hub id and revision or by the digests
+of its config and weights, its tokenizer by digest, the corpus by file names, row counts, sizes and
+content digests (identity format :data:`IDENTITY_FORMAT`). Where the teacher and the corpus were
+found is kept apart, in the manifest's ``location``, for people; it is never compared. A manifest
+written before this format (no ``format`` key) is adopted with ``migrate_identity=true``: its old
+identity is kept as ``adopted_from``, and shards written under it stay valid
+(:func:`shard_identity_differences`).
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ META_SHARD = "vocagno.shard"  # this shard's index and source range
 META_CODE_VERSION = "vocagno.code_version"
 META_KEYS = (META_SCHEMA_VERSION, META_IDENTITY, META_SHARD, META_CODE_VERSION)
 
+IDENTITY_FORMAT = 2  # the identity holds content digests, no locations (module docstring)
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
 
@@ -192,3 +202,17 @@ def iter_identity_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix
             yield from iter_identity_differences(va, vb, prefix=name + ".")
         elif va != vb:
             yield f"{name}: {va!r} != {vb!r}"
+
+
+def identity_format(identity: Mapping[str, Any]) -> int:
+    """The identity's format: 1 for identities written before the format was recorded."""
+    return int(identity.get("format", 1))
+
+
+def shard_identity_differences(shard_identity: Mapping[str, Any], manifest: Mapping[str, Any]) -> list[str]:
+    """How a shard's identity differs from its folder's: none when it equals the manifest's
+    identity, or the identity the folder had before it was migrated (``adopted_from``)."""
+    adopted = manifest.get("adopted_from")
+    if adopted is not None and dict(shard_identity) == adopted:
+        return []
+    return list(iter_identity_differences(shard_identity, manifest.get("identity") or {}))

@@ -11,7 +11,6 @@ local folder; hub id and revision otherwise).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.evaluation.generation import GenerationConfig, Generator, make_generator
+from pipeline.identity import WEIGHT_SUFFIXES, digest_files
 from pipeline.evaluation.tasks import (
     TASKS,
     Exemplar,
@@ -199,8 +199,6 @@ def identity_summary(ident: dict) -> str:
 
 # ---- checkpoint identity ---------------------------------------------------------------------
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
-
 
 def checkpoint_identity(model: str, revision: str | None = None) -> dict:
     """A local folder: sha256 of ``config.json`` and of its weight files together (one digest over
@@ -216,14 +214,7 @@ def checkpoint_identity(model: str, revision: str | None = None) -> dict:
         raise FileNotFoundError(f"{folder}: no weight files (*.safetensors, *.bin)")
     tokenizer = sorted(p for p in folder.iterdir() if p.name.startswith(("tokenizer", "special_tokens")) and p.is_file())
     return {"kind": "local", "path": str(folder.resolve()), "config_sha256": file_sha256(config),
-            "weights_sha256": _digest_files(weights), "tokenizer_sha256": _digest_files(tokenizer) if tokenizer else None}
-
-
-def _digest_files(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(f"{p.name}\0{file_sha256(p)}\n".encode())
-    return h.hexdigest()
+            "weights_sha256": digest_files(weights), "tokenizer_sha256": digest_files(tokenizer) if tokenizer else None}
 
 
 def _code_version() -> str:

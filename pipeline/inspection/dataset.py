@@ -86,6 +86,16 @@ class ScoredDataset:
         return self.identity.get("teacher") or {}
 
     @property
+    def teacher_tokenizer(self) -> str | None:
+        return teacher_tokenizer_location(self.manifest)
+
+    @property
+    def teacher_model(self) -> str:
+        """Where the teacher was (a path or hub id), for titles."""
+        location = self.manifest.get("location") or {}
+        return str(location.get("teacher_model") or self.teacher.get("model"))
+
+    @property
     def name(self) -> str:
         """``<corpus>/<teacher>`` from the identity, for titles."""
         corpus = (self.identity.get("corpus") or {}).get("name", "?")
@@ -170,3 +180,10 @@ def _records_from_batch(batch: pa.RecordBatch, file: str, first_row: int) -> Ite
     losses = _split_list_column(batch.column("losses"), np.float32)
     for r in range(batch.num_rows):
         yield DocumentRecord(doc_ids[r], texts[r], ids[r], starts[r], ends[r], losses[r], file, first_row + r)
+
+
+def teacher_tokenizer_location(manifest: dict) -> str | None:
+    """Where the scoring job found the teacher's tokenizer (a path or hub id): the manifest's
+    ``location``, or, for a manifest of identity format 1, the path its identity recorded."""
+    location = (manifest.get("location") or {}).get("teacher_tokenizer")
+    return location or ((manifest.get("identity") or {}).get("teacher") or {}).get("tokenizer")

@@ -13,8 +13,9 @@ The folder and the manifest
     in the folder that the manifest does not list.
 Each listed shard
     size and sha256 as in the manifest; a readable Parquet file with the contract's metadata and
-    schema; its identity equal to the manifest's, its shard index equal to its entry's; as many
-    rows and tokens as the entry says.
+    schema; its identity equal to the manifest's (or, for a shard written before the folder's
+    identity was migrated, to the one it was adopted from), its shard index equal to its entry's;
+    as many rows and tokens as the entry says.
 Each row (vectorised with Polars to find the rows, then numpy on those rows for the message)
     ``doc_id`` non-empty and unique in the dataset; the four lists of equal length; every span
     inside the text (``0 <= start <= end <= len(text)``), starts non-decreasing, text slices
@@ -50,7 +51,7 @@ from storage_schemas import (
     read_shard_metadata,
     shard_name,
 )
-from storage_schemas.scored import SHARD_RE, iter_identity_differences
+from storage_schemas.scored import SHARD_RE, shard_identity_differences
 
 ERROR = "error"
 WARNING = "warning"
@@ -113,7 +114,7 @@ def validate_dataset(
     rows = 0
     hashes: list[pl.DataFrame] = []
     for name, entry in entries.items():
-        rows += _check_shard(folder / name, entry, identity, rules, checksums, problems, hashes)
+        rows += _check_shard(folder / name, entry, manifest or {}, rules, checksums, problems, hashes)
     _check_unique_ids(folder, hashes, problems)
     return ValidationReport(str(folder), problems, shards_checked=len(entries), rows_checked=rows)
 
@@ -202,7 +203,7 @@ def _check_folder_files(folder: Path, entries: dict[str, dict | None], problems:
 
 
 def _check_shard(
-    path: Path, entry: dict | None, identity: dict, rules: "_RowRules", checksums: bool,
+    path: Path, entry: dict | None, manifest: dict, rules: "_RowRules", checksums: bool,
     problems: list[Problem], hashes: list[pl.DataFrame],
 ) -> int:
     """Check one shard (file, metadata, rows); returns the number of rows read."""
@@ -217,8 +218,8 @@ def _check_shard(
     except ContractError as exc:
         problems.append(Problem(ERROR, name, str(exc).replace(f"{path}: ", "")))
         return 0
-    if identity:
-        diffs = list(iter_identity_differences(meta[META_IDENTITY], identity))
+    if manifest.get("identity"):
+        diffs = shard_identity_differences(meta[META_IDENTITY], manifest)
         if diffs:
             problems.append(Problem(ERROR, name, "identity differs from the manifest: " + "; ".join(diffs)))
     if entry is not None and meta[META_SHARD].get("index") != entry.get("index"):
