@@ -11,9 +11,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.gpu]
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM needs a GPU")
 def test_vllm_losses_match_transformers(micro_teacher):
-    from pipeline.scoring.base import ScorerConfig
-    from pipeline.scoring.hf import TransformersScorer
-    from pipeline.scoring.vllm import VLLMScorer
+    from pipeline.score_teacher.backends.base import ScorerConfig
+    from pipeline.score_teacher.backends.hf import TransformersScorer
+    from pipeline.score_teacher.backends.vllm import VLLMScorer
 
     ids = np.random.default_rng(0).integers(0, 300, size=40).astype(np.int32)
     cfg = ScorerConfig(model=str(micro_teacher), window=64, dtype="float32", gpu_memory_utilization=0.2)

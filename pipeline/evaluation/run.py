@@ -227,7 +227,7 @@ def _digest_files(paths: list[Path]) -> str:
 
 
 def _code_version() -> str:
-    from pipeline.score_job import code_version
+    from pipeline.score_teacher.job import code_version
 
     return code_version()
 
