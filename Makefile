@@ -60,7 +60,7 @@ bench: setup
 # (GPU_PYTHON=/path/to/vllm-env/bin/python) to add the vLLM backend. ARGS="--smoke": tiny shapes on CPU.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-bench:
-	$(GPU_PYTHON) -m pipeline.bench.gpu $(ARGS)
+	$(GPU_PYTHON) -m pipeline.lab.bench.gpu $(ARGS)
 
 # Few-shot chain-of-thought math accuracy of a checkpoint; results side by side
 eval-student: setup

@@ -61,13 +61,13 @@ def typed_nested(cls, values: dict, where: str, problems: list[str]):
 
 def case_configs(cfg: DictConfig) -> dict:
     """The typed configuration of every case; every problem in the config is reported at once."""
-    from pipeline.bench import CASES
-    from pipeline.bench.alignment import AlignmentBenchConfig
-    from pipeline.bench.guided import GuidedLossBenchConfig
-    from pipeline.bench.memory import WORKLOADS, MemoryBenchConfig
-    from pipeline.bench.stage1 import Stage1BenchConfig
-    from pipeline.bench.storage import StorageBenchConfig
-    from pipeline.bench.student_pipeline import StudentDataBenchConfig
+    from pipeline.lab.bench import CASES
+    from pipeline.lab.bench.alignment import AlignmentBenchConfig
+    from pipeline.lab.bench.guided import GuidedLossBenchConfig
+    from pipeline.lab.bench.memory import WORKLOADS, MemoryBenchConfig
+    from pipeline.lab.bench.stage1 import Stage1BenchConfig
+    from pipeline.lab.bench.storage import StorageBenchConfig
+    from pipeline.lab.bench.student_pipeline import StudentDataBenchConfig
 
     classes = {"alignment": AlignmentBenchConfig, "stage1": Stage1BenchConfig, "storage": StorageBenchConfig,
                "guided_loss": GuidedLossBenchConfig, "student_data": StudentDataBenchConfig, "memory": MemoryBenchConfig}
@@ -99,7 +99,7 @@ class Inputs:
         self._scored: Path | None = None
 
     def tokenizer(self, name: str):
-        from pipeline.bench.inputs import real_tokenizer
+        from pipeline.lab.bench.inputs import real_tokenizer
 
         return real_tokenizer(name, self.tokenizers_dir, self.work / "tokenizers")
 
@@ -116,11 +116,11 @@ class Inputs:
         manifest = folder / "manifest.json"
         if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
             return folder
-        from pipeline.bench.inputs import sample_corpus
-        from pipeline.corpus import CorpusConfig
-        from pipeline.embedded import ensure_tiny_teacher
-        from pipeline.score_job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
-        from pipeline.scoring.base import ScorerConfig
+        from pipeline.lab.bench.inputs import sample_corpus
+        from pipeline.score_teacher.corpus import CorpusConfig
+        from pipeline.lab.embedded import ensure_tiny_teacher
+        from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+        from pipeline.score_teacher.backends.base import ScorerConfig
 
         n = int(self.cfg.fallback_docs)
         log.warning("%s is not a complete scored dataset; scoring %d sample documents with the tiny teacher", folder, n)
@@ -136,7 +136,7 @@ class Inputs:
 
 
 def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
-    from pipeline.bench import alignment, guided, memory, stage1, storage, student_pipeline
+    from pipeline.lab.bench import alignment, guided, memory, stage1, storage, student_pipeline
 
     work = inputs.work
     if name == "alignment":
@@ -156,14 +156,14 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
 
 
 def error_result(name: str, exc: BaseException) -> dict:
-    from pipeline.bench.report import error_figure
+    from pipeline.lab.bench.report import error_figure
 
     return {"error": f"{type(exc).__name__}: {exc}",
             "figures": [error_figure(k, m, t, op, exc) for k, m, t, op in CASE_MEASURES[name]]}
 
 
 def run_bench(cfg: DictConfig) -> dict:
-    from pipeline.bench.measure import machine_info
+    from pipeline.lab.bench.measure import machine_info
 
     t0 = time.perf_counter()
     cfg = effective_config(cfg)
@@ -190,14 +190,14 @@ def run_bench(cfg: DictConfig) -> dict:
 
 
 def print_table(report: dict) -> None:
-    from pipeline.bench.report import markdown_table
+    from pipeline.lab.bench.report import markdown_table
 
     print(markdown_table(report["figures"]))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench")
 def main(cfg: DictConfig) -> None:
-    from pipeline.bench.report import write_report
+    from pipeline.lab.bench.report import write_report
 
     quiet_libraries()
     logging.getLogger("pipeline").setLevel(logging.WARNING)

@@ -13,7 +13,7 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.teacher_source import check_teacher_source, convert_to_safetensors
+from pipeline.score_teacher.teacher_source import check_teacher_source, convert_to_safetensors
 from stages.common import exit_on_user_error, plain, quiet_libraries
 
 

@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
 
-from pipeline.align import AGGREGATIONS
+from pipeline.train_student.align import AGGREGATIONS
 from stages.common import exit_on_user_error, plain, quiet_libraries, raise_if
 
 log = logging.getLogger("inspect")

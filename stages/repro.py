@@ -23,7 +23,7 @@ from hydra import compose
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.repro.build import (
+from pipeline.lab.repro.build import (
     CorpusSpec,
     PretrainSpec,
     StudentSpec,
@@ -54,7 +54,7 @@ def check(cfg: DictConfig) -> None:
 def score(cfg: DictConfig, teachers: dict[str, Path], corpus_files: list[Path]) -> dict[str, str]:
     """Stage 1 for each teacher over the student corpus (a finished folder is found complete and
     left as it is, without starting Ray)."""
-    from pipeline.score_job import run_score_job
+    from pipeline.score_teacher.job import run_score_job
     from stages.score_teacher import job_config
 
     work = Path(to_absolute_path(cfg.work_dir))
@@ -75,7 +75,7 @@ def score(cfg: DictConfig, teachers: dict[str, Path], corpus_files: list[Path]) 
 
 
 def tasks(cfg: DictConfig, scored: dict[str, str], students: dict[str, Path], held_out: list[str]):
-    from pipeline.repro.runner import RunTask
+    from pipeline.lab.repro.runner import RunTask
     from stages.train_student import job_config
 
     work = Path(to_absolute_path(cfg.work_dir))
@@ -102,8 +102,8 @@ def tasks(cfg: DictConfig, scored: dict[str, str], students: dict[str, Path], he
 def main(cfg: DictConfig) -> None:
     from tqdm import tqdm
 
-    from pipeline.repro.report import write_report
-    from pipeline.repro.runner import run_tasks
+    from pipeline.lab.repro.report import write_report
+    from pipeline.lab.repro.runner import run_tasks
 
     quiet_libraries()
     check(cfg)
@@ -160,7 +160,7 @@ def main(cfg: DictConfig) -> None:
 
 def base_scores(folder: Path, held_out: list[str], cfg: DictConfig) -> dict:
     """The base student's scores before continual pretraining (cached next to it)."""
-    from pipeline.repro.evaluate import completion_items, evaluate_model
+    from pipeline.lab.repro.evaluate import completion_items, evaluate_model
 
     cache = folder / "repro_base_scores.json"
     key = {"held_out": len(held_out), "completions": cfg.eval.completions, "window": cfg.eval.window,

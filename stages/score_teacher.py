@@ -15,12 +15,12 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.corpus import CorpusConfig
-from pipeline.score_job import JobSummary, PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
-from pipeline.scoring.base import ScorerConfig
-from pipeline.shards import StorageConfig
-from pipeline.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
-from pipeline.teacher_source import check_teacher_source
+from pipeline.score_teacher.corpus import CorpusConfig
+from pipeline.score_teacher.job import JobSummary, PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.writer import StorageConfig
+from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
+from pipeline.score_teacher.teacher_source import check_teacher_source
 from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, raise_if, typed
 
 log = logging.getLogger("score_teacher")
@@ -69,8 +69,8 @@ def _absolute_paths(teacher: TeacherConfig, embedded: bool) -> TeacherConfig:
 
 def build_embedded(cfg: DictConfig) -> None:
     """Build (or find cached) the sample corpus and tiny teacher when the config uses them."""
-    from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
-    from pipeline.embedded.tiny_teacher import TinyTeacherSpec
+    from pipeline.lab.embedded import ensure_sample_corpus, ensure_tiny_teacher
+    from pipeline.lab.embedded.tiny_teacher import TinyTeacherSpec
 
     artifacts = to_absolute_path(cfg.artifacts_dir)
     if cfg.data.get("embedded"):

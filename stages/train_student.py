@@ -16,7 +16,7 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.train import (
+from pipeline.train_student.run import (
     DataConfig,
     LossConfig,
     StudentConfig,
@@ -77,7 +77,7 @@ def build_embedded(cfg: DictConfig) -> None:
         return
     from filelock import FileLock
 
-    from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
+    from pipeline.lab.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
 
     b = cfg.student.build
     artifacts = to_absolute_path(cfg.artifacts_dir)

@@ -48,7 +48,7 @@ def real_tokenizer(shared_tokenizers):
 @pytest.fixture(scope="session")
 def micro_corpus(tmp_path_factory) -> list[Path]:
     """A 160-document sample corpus in OpenWebMath's schema (two Parquet files)."""
-    from pipeline.embedded.sample_corpus import build_sample_corpus
+    from pipeline.lab.embedded.sample_corpus import build_sample_corpus
 
     return build_sample_corpus(tmp_path_factory.mktemp("corpus"), n_docs=160, n_files=2, seed=1)
 
@@ -59,8 +59,8 @@ MICRO_TEACHER_SPEC = dict(vocab_size=400, hidden_size=32, intermediate_size=64, 
 
 def build_micro_teacher(corpus_files, out_dir) -> Path:
     """Train on the clean documents but the last 10, which are held out for the build's eval."""
-    from pipeline.embedded.sample_corpus import clean_texts
-    from pipeline.embedded.tiny_teacher import TinyTeacherSpec, build_tiny_teacher
+    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.lab.embedded.tiny_teacher import TinyTeacherSpec, build_tiny_teacher
 
     texts = clean_texts(corpus_files)
     return build_tiny_teacher(texts[:-10], out_dir, TinyTeacherSpec(**MICRO_TEACHER_SPEC),
@@ -87,9 +87,9 @@ def ray_local():
 @pytest.fixture(scope="session")
 def micro_scored(tmp_path_factory, micro_corpus, micro_teacher, ray_local) -> Path:
     """A complete scored dataset (stage-1 output) of the micro corpus by the micro teacher."""
-    from pipeline.corpus import CorpusConfig
-    from pipeline.score_job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
-    from pipeline.scoring.base import ScorerConfig
+    from pipeline.score_teacher.corpus import CorpusConfig
+    from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+    from pipeline.score_teacher.backends.base import ScorerConfig
 
     out = tmp_path_factory.mktemp("micro-scored") / "owm-micro" / "micro" / "v1"
     run_score_job(ScoreJobConfig(

@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.scored_dataset import BadShardError, ShardReader, open_scored_dataset
-from pipeline.student_data import AlignmentConfig, PackingConfig, build_student_data
+from storage_schemas.reader import BadShardError, ShardReader, open_scored_dataset
+from pipeline.train_student.data import AlignmentConfig, PackingConfig, build_student_data
 from pipeline.tokenization import load_tokenizer
-from pipeline.train import StudentConfig, load_student
+from pipeline.train_student.run import StudentConfig, load_student
 from storage_schemas import file_sha256, read_manifest
 from test_train_student import compose, tiny_student  # noqa: F401  (tiny_student is a fixture)
 

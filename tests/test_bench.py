@@ -25,7 +25,7 @@ def _check_figures(result: dict, keys: set[str]) -> None:
 
 
 def test_figure_status_and_miss_factor():
-    from pipeline.bench.report import figure
+    from pipeline.lab.bench.report import figure
 
     assert figure("a", "a", 0.04, 0.05, "<=")["status"] == "pass"
     missed = figure("a", "a", 0.10, 0.05, "<=")
@@ -36,7 +36,7 @@ def test_figure_status_and_miss_factor():
 
 
 def test_interleaved_alternates_and_ratio_pairs_repetitions():
-    from pipeline.bench.measure import interleaved, ratio
+    from pipeline.lab.bench.measure import interleaved, ratio
 
     order = []
     samples = interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3, warmup=1)
@@ -47,7 +47,7 @@ def test_interleaved_alternates_and_ratio_pairs_repetitions():
 
 
 def test_dtw_pairs_identical_sequences_one_to_one():
-    from pipeline.bench.dtw import dtw_cells, dtw_path, levenshtein
+    from pipeline.lab.bench.dtw import dtw_cells, dtw_path, levenshtein
 
     assert levenshtein("kitten", "sitting") == 3 and levenshtein("", "abc") == 3
     assert dtw_path(["a", "b", "c"], ["a", "b", "c"]) == [[0], [1], [2]]
@@ -56,7 +56,7 @@ def test_dtw_pairs_identical_sequences_one_to_one():
 
 
 def test_alignment_case_quick(real_tokenizer):
-    from pipeline.bench.alignment import AlignmentBenchConfig, run
+    from pipeline.lab.bench.alignment import AlignmentBenchConfig, run
 
     cfg = AlignmentBenchConfig(min_bytes=20_000, repeats=1, warmup=0, dtw_docs=1, dtw_budget_s=1.0, profile=False)
     result = run(cfg, real_tokenizer("llama-spm"), real_tokenizer("qwen2"))
@@ -66,10 +66,10 @@ def test_alignment_case_quick(real_tokenizer):
 
 
 def test_storage_and_student_data_cases_quick(micro_scored, real_tokenizer, tmp_path):
-    from pipeline.bench.storage import StorageBenchConfig
-    from pipeline.bench.storage import run as run_storage
-    from pipeline.bench.student_pipeline import StudentDataBenchConfig
-    from pipeline.bench.student_pipeline import run as run_student
+    from pipeline.lab.bench.storage import StorageBenchConfig
+    from pipeline.lab.bench.storage import run as run_storage
+    from pipeline.lab.bench.student_pipeline import StudentDataBenchConfig
+    from pipeline.lab.bench.student_pipeline import run as run_student
 
     storage = run_storage(StorageBenchConfig(max_shards=2, levels=(3,)), tmp_path, micro_scored)
     _check_figures(storage, {"storage_default", "storage_compact"})
@@ -84,8 +84,8 @@ def test_storage_and_student_data_cases_quick(micro_scored, real_tokenizer, tmp_
 
 
 def test_guided_loss_case_quick():
-    from pipeline.bench.guided import GuidedLossBenchConfig, run
-    from pipeline.bench.inputs import ModelSpec
+    from pipeline.lab.bench.guided import GuidedLossBenchConfig, run
+    from pipeline.lab.bench.inputs import ModelSpec
 
     cfg = GuidedLossBenchConfig(model=ModelSpec(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2),
                                 vocab_size=256, batch_size=2, seq_len=16, repeats=2, loss_repeats=2, warmup=0)
@@ -93,8 +93,8 @@ def test_guided_loss_case_quick():
 
 
 def test_report_files_have_the_table(tmp_path):
-    from pipeline.bench.measure import machine_info
-    from pipeline.bench.report import figure, write_report
+    from pipeline.lab.bench.measure import machine_info
+    from pipeline.lab.bench.report import figure, write_report
 
     report = {"mode": "quick", "machine": machine_info(), "seconds": 1.0, "cases": {},
               "figures": [figure("x", "a measure", 0.5, 1.0, "<=", note="n|ote"), figure("y", "other", float("nan"))]}

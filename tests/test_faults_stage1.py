@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.corpus import CorpusConfig
-from pipeline.score_job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
-from pipeline.scoring.base import ScorerConfig
+from pipeline.score_teacher.corpus import CorpusConfig
+from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.backends.base import ScorerConfig
 from storage_schemas import read_manifest
 from test_score_job import assert_same_dataset
 
 DRIVER = """
 import json, sys
-from pipeline.corpus import CorpusConfig
-from pipeline.score_job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
-from pipeline.scoring.base import ScorerConfig
+from pipeline.score_teacher.corpus import CorpusConfig
+from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.backends.base import ScorerConfig
 c = json.loads(sys.argv[1])
 run_score_job(ScoreJobConfig(teacher=TeacherConfig(**c["teacher"]), corpus=CorpusConfig(**c["corpus"]),
     scorer=ScorerConfig(**c["scorer"]), pool=PoolConfig(**c["pool"]), ray=RayConfig(num_cpus=2),

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from pipeline.guided_trainer import COMPLETE_NAME, NonFiniteLossError
-from pipeline.train import RunMismatchError, run_training
+from pipeline.train_student.trainer import COMPLETE_NAME, NonFiniteLossError
+from pipeline.train_student.run import RunMismatchError, run_training
 from test_train_student import make_job, metrics, tiny_student  # noqa: F401  (tiny_student is a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,7 +281,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_a_usable_checkpoint(tiny_stu
 
 
 def test_second_training_on_the_same_run_folder_is_refused(tiny_student, micro_scored, tmp_path):
-    from pipeline.shards import DatasetBusyError, exclusive_writer
+    from pipeline.score_teacher.writer import DatasetBusyError, exclusive_writer
 
     job = make_job(tiny_student, micro_scored, tmp_path / "run")
     with exclusive_writer(job.output_dir, what="training run"):  # as if another launch were training

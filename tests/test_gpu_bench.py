@@ -21,8 +21,8 @@ RUN_WITHOUT = f"""
 import runpy, sys
 for name in {ABSENT!r}:
     sys.modules[name] = None
-sys.argv = ["pipeline.bench.gpu", *sys.argv[1:]]
-runpy.run_module("pipeline.bench.gpu", run_name="__main__")
+sys.argv = ["pipeline.lab.bench.gpu", *sys.argv[1:]]
+runpy.run_module("pipeline.lab.bench.gpu", run_name="__main__")
 loaded = sorted(n for n in sys.modules if n.split(".")[0] in {ABSENT!r} and sys.modules[n] is not None)
 assert not loaded, loaded
 """
@@ -92,7 +92,7 @@ def test_full_shapes_match_the_published_parameter_counts():
     """The vLLM child counts FLOPs from the config alone; at the real shapes that count must give the
     published sizes: Qwen2.5-7B 6.53B non-embedding parameters (its model card; the output head is
     not tied there, so it is not counted either), TinyLlama 1.1B in all."""
-    from pipeline.bench.gpu import SHAPES, _linear_parameters
+    from pipeline.lab.bench.gpu import SHAPES, _linear_parameters
 
     qwen = SHAPES["qwen2.5-7b"]
     non_embedding = _linear_parameters(qwen) - qwen["hidden_size"] * qwen["vocab_size"]
@@ -103,7 +103,7 @@ def test_full_shapes_match_the_published_parameter_counts():
 
 
 def test_config_count_equals_the_model_count(smoke_report):
-    from pipeline.bench.gpu import SHAPES, _linear_parameters
+    from pipeline.lab.bench.gpu import SHAPES, _linear_parameters
 
     assert _linear_parameters(SHAPES["smoke-teacher"]) == smoke_report["scoring"]["flops_per_token"]["linear_parameters"]
     assert _linear_parameters(SHAPES["smoke-student"]) == smoke_report["training"]["flops_per_token"]["linear_parameters"]

@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.corpus import CorpusConfig, Document, plan_shards, read_shard, resolve_sources
-from pipeline.scoring.base import ScorerConfig
-from pipeline.scoring.hf import TransformersScorer
-from pipeline.teacher import WindowSettings, score_documents
+from pipeline.score_teacher.corpus import CorpusConfig, Document, plan_shards, read_shard, resolve_sources
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.backends.hf import TransformersScorer
+from pipeline.score_teacher.teacher import WindowSettings, score_documents
 from pipeline.tokenization import load_tokenizer
 
 HOSTILE = {

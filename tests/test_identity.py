@@ -17,10 +17,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.corpus import CorpusConfig
-from pipeline.score_job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
-from pipeline.scoring.base import ScorerConfig
-from pipeline.shards import DatasetMismatchError
+from pipeline.score_teacher.corpus import CorpusConfig
+from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.writer import DatasetMismatchError
 from storage_schemas import META_IDENTITY, file_sha256, read_manifest, read_shard_metadata
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,7 +200,7 @@ def reissue(folder: Path, identity: dict) -> None:
 
 def test_old_manifest_is_refused_with_the_migration_command_then_adopted(moved_micro, ray_local):
     from pipeline.inspection.validate import validate_dataset
-    from pipeline.scored_dataset import open_scored_dataset
+    from storage_schemas.reader import open_scored_dataset
 
     teacher, corpus, out = moved_micro
     old = format1_identity(read_manifest(out)["identity"], teacher, corpus)
@@ -225,9 +225,9 @@ def test_old_manifest_is_refused_with_the_migration_command_then_adopted(moved_m
 
 
 def test_training_resumes_after_the_project_folder_moves(micro_scored, micro_teacher, micro_corpus, ray_local, tmp_path):
-    from pipeline.embedded.sample_corpus import clean_texts
-    from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
-    from pipeline.train import (
+    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+    from pipeline.train_student.run import (
         DataConfig,
         LossConfig,
         RunMismatchError,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.align import align_document
+from pipeline.train_student.align import align_document
 from pipeline.inspection.align_report import (
     ALIGNED_SCHEMA,
     META_ALIGNED,
@@ -133,9 +133,9 @@ def test_identical_tokenizers_align_one_to_one_and_chunks_do_not(micro_corpus, r
     """Teacher = student (Mistral), every loss finite: token-level IoS and IoU are 1, every token is
     mapped; chunks keep IoS at 1 (each token starts in the chunk of its twin) but their IoU grows
     with the chunk count and stays below the token level's (METHOD 2.2's ablation)."""
-    from pipeline.embedded.sample_corpus import clean_texts
-    from pipeline.shards import write_manifest, write_shard
-    from pipeline.teacher import ScoredDocument, ShardResult
+    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.score_teacher.writer import write_manifest, write_shard
+    from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
     from pipeline.tokenization import encode_batch
 
     tok = real_tokenizer("mistral")

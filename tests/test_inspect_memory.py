@@ -51,8 +51,8 @@ print(json.dumps({**result, "baseline_mib": baseline, "peak_mib": peak, "growth_
 def build_dataset(folder: Path, n_shards: int) -> int:
     """Synthetic but contract-valid shards written by the real writer; returns the bytes the list
     and text columns take in memory once loaded."""
-    from pipeline.shards import write_manifest, write_shard
-    from pipeline.teacher import ScoredDocument, ShardResult
+    from pipeline.score_teacher.writer import write_manifest, write_shard
+    from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 
     folder.mkdir(parents=True)
     rng = np.random.default_rng(n_shards)

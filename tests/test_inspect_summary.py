@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.inspection.dataset import DocumentNotFoundError, ScoredDataset
 from pipeline.inspection.summary import LossHistogram, summarize
-from pipeline.teacher import SKIP_REASONS
+from pipeline.score_teacher.teacher import SKIP_REASONS
 from storage_schemas import read_manifest
 
 

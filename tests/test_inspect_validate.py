@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.inspection.validate import ERROR, WARNING, validate_dataset
-from pipeline.shards import finished_shards, write_manifest
+from pipeline.score_teacher.writer import finished_shards, write_manifest
 from storage_schemas import MANIFEST_NAME, file_sha256, marker_name, read_manifest, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,8 +171,8 @@ def test_command_exits_1_and_lists_every_problem(dataset):
 
 def test_compact_encodings_and_rounded_losses_validate(micro_scored, tmp_path):
     """Shards written with the compact storage options read and validate like default ones."""
-    from pipeline.shards import StorageConfig, write_shard
-    from pipeline.teacher import ScoredDocument, ShardResult
+    from pipeline.score_teacher.writer import StorageConfig, write_shard
+    from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 
     manifest = read_manifest(micro_scored)
     table = pq.read_table(micro_scored / "shard-000000.parquet").to_pylist()

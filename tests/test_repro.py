@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.repro.evaluate import Completion, bits_per_byte, completion_items, exact_match, extract_number
-from pipeline.repro.report import (
+from pipeline.lab.repro.evaluate import Completion, bits_per_byte, completion_items, exact_match, extract_number
+from pipeline.lab.repro.report import (
     README_END,
     README_START,
     at_least_as_good,
@@ -245,7 +245,7 @@ def test_bad_settings_end_with_one_line_and_exit_2(tmp_path):
 
 
 def test_a_student_vocabulary_too_small_is_refused():
-    from pipeline.repro.build import StudentSpec, _student_tokenizer
+    from pipeline.lab.repro.build import StudentSpec, _student_tokenizer
 
     with pytest.raises(ValueError, match="vocab_size 300 leaves no room"):
         _student_tokenizer(StudentSpec("x", "sentencepiece_bpe", 300), ["some text"] * 10)

@@ -15,7 +15,7 @@ from fractions import Fraction
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.embedded.sample_corpus import (
+from pipeline.lab.embedded.sample_corpus import (
     CORPUS_SCHEMA,
     build_sample_corpus,
     clean_texts,
@@ -57,7 +57,7 @@ def test_generate_documents_is_deterministic_per_seed():
 
 def test_generate_documents_does_not_depend_on_hash_randomisation():
     code = (
-        "import hashlib, json; from pipeline.embedded.sample_corpus import generate_documents; "
+        "import hashlib, json; from pipeline.lab.embedded.sample_corpus import generate_documents; "
         "print(hashlib.sha256(json.dumps(generate_documents(60, seed=3)).encode()).hexdigest())"
     )
     expected = hashlib.sha256(json.dumps(generate_documents(60, seed=3)).encode()).hexdigest()

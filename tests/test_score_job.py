@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.corpus import CorpusConfig, CorpusError
-from pipeline.score_job import PoolConfig, ScoreJobConfig, TeacherConfig, prepare, run_score_job
-from pipeline.scoring.base import ScorerConfig
-from pipeline.shards import DatasetMismatchError
+from pipeline.score_teacher.corpus import CorpusConfig, CorpusError
+from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, prepare, run_score_job
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.writer import DatasetMismatchError
 from pipeline.tokenization import load_tokenizer
 from storage_schemas import check_rows, complete_shard_files, file_sha256, read_manifest, read_shard_metadata
 
@@ -172,7 +172,7 @@ def assert_same_dataset(a_dir, b_dir):
 
 
 def test_second_job_on_the_same_folder_is_refused(micro_teacher, micro_corpus, tmp_path):
-    from pipeline.shards import DatasetBusyError, exclusive_writer
+    from pipeline.score_teacher.writer import DatasetBusyError, exclusive_writer
 
     out = tmp_path / "ds"
     with exclusive_writer(out):  # as if another driver were running
@@ -233,7 +233,7 @@ def test_hub_source_reads_through_datasets(micro_teacher, micro_corpus, tmp_path
                                            files=[str(f) for f in micro_corpus], rows_per_shard=50, limit_docs=120))
     prepared = prepare(cfg)
     assert [s.kind for s in prepared.shards] == ["arrow"] * 3 and prepared.identity["corpus"]["n_docs"] == 120
-    from pipeline.corpus import read_shard
+    from pipeline.score_teacher.corpus import read_shard
 
     docs = read_shard(prepared.shards[2])
     assert docs[0].doc_id == "train:100"

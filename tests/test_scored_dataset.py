@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.scored_dataset import BadShardError, MixedTeachersError, ShardReader, open_scored_dataset
+from storage_schemas.reader import BadShardError, MixedTeachersError, ShardReader, open_scored_dataset
 from storage_schemas import META_IDENTITY, ContractError, file_sha256, read_manifest
 
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
-from pipeline.corpus import Document
-from pipeline.scoring.base import ScorerConfig
-from pipeline.scoring.hf import TransformersScorer, batches_by_tokens, head_chunk_positions
-from pipeline.teacher import WindowSettings, score_documents
+from pipeline.score_teacher.corpus import Document
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.backends.hf import TransformersScorer, batches_by_tokens, head_chunk_positions
+from pipeline.score_teacher.teacher import WindowSettings, score_documents
 from pipeline.tokenization import encode, load_tokenizer
 
 
@@ -99,7 +99,7 @@ class _EncodedScorer:
         self.scorer = scorer
 
     def losses(self, ids, window, stride):
-        from pipeline.teacher import _score_encodings
+        from pipeline.score_teacher.teacher import _score_encodings
         from pipeline.tokenization import Encoding
 
         enc = Encoding(ids=ids, starts=np.zeros_like(ids), ends=np.zeros_like(ids))
@@ -163,7 +163,7 @@ def test_weights_are_loaded_onto_the_actor_device(micro_teacher, monkeypatch):
     loaded model sits on that device."""
     import transformers
 
-    from pipeline.scoring.hf import load_causal_lm
+    from pipeline.score_teacher.backends.hf import load_causal_lm
 
     seen = []
     real = transformers.AutoModelForCausalLM.from_pretrained.__func__

@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.shards import documents_table, write_shard
-from pipeline.teacher import ScoredDocument, ShardResult
+from pipeline.score_teacher.writer import documents_table, write_shard
+from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from storage_schemas import (
     ROW_SCHEMA,
     SCHEMA_VERSION,
@@ -90,7 +90,7 @@ def test_manifest_paths_cannot_leave_the_dataset_folder(tmp_path):
 
 
 def test_compact_encodings_keep_every_value_and_shrink_the_file(tmp_path):
-    from pipeline.shards import StorageConfig
+    from pipeline.score_teacher.writer import StorageConfig
 
     rng = np.random.default_rng(0)
     docs = []
@@ -121,7 +121,7 @@ def test_compact_encodings_keep_every_value_and_shrink_the_file(tmp_path):
 
 @pytest.mark.parametrize("precision,rel", [("bfloat16", 2**-8), ("float16", 2**-11)])
 def test_loss_rounding_is_bounded_and_keeps_nan(precision, rel):
-    from pipeline.shards import round_losses
+    from pipeline.score_teacher.writer import round_losses
 
     x = np.array([np.nan, 0.0, 1e-3, 0.7, 3.14159, 12.5, 30.0], dtype=np.float32)
     y = round_losses(x, precision)

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
-from pipeline.scored_dataset import BadShardError, open_scored_dataset
-from pipeline.student_data import (
+from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+from storage_schemas.reader import BadShardError, open_scored_dataset
+from pipeline.train_student.data import (
     AlignmentConfig,
     PackingConfig,
     build_student_data,
@@ -30,7 +30,7 @@ SMALL_STUDENT = TinyStudentSpec(vocab_size=700, limit_alphabet=100, hidden_size=
 
 @pytest.fixture(scope="module")
 def student_dir(micro_corpus, tmp_path_factory) -> Path:
-    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.lab.embedded.sample_corpus import clean_texts
 
     return build_tiny_student(clean_texts(micro_corpus), tmp_path_factory.mktemp("student") / "tiny", SMALL_STUDENT)
 
@@ -78,7 +78,7 @@ def test_tiny_student_tokenizer_is_sentencepiece_style_with_byte_fallback(studen
 
 
 def test_tiny_student_build_is_cached(micro_corpus, student_dir):
-    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.lab.embedded.sample_corpus import clean_texts
 
     stamp = (student_dir / "_BUILD.json").stat().st_mtime_ns
     assert build_tiny_student(clean_texts(micro_corpus), student_dir, SMALL_STUDENT) == student_dir
@@ -212,8 +212,8 @@ def test_samples_do_not_depend_on_batching_read_ahead_or_order(scored, student, 
     """A sample is the same read alone in reverse order (no read-ahead), in sequential data-loader
     batches (read-ahead, documents tokenized many per call), in random batches, and with a budget
     so small that the cache keeps evicting; the cache stays within its bound."""
-    from pipeline import student_data
-    from pipeline.student_data import PackedDataset
+    from pipeline.train_student import data as student_data
+    from pipeline.train_student.data import PackedDataset
 
     data = data_for(scored, student)
     n = len(data.dataset)
@@ -256,7 +256,7 @@ def test_token_counts_are_cached(scored, student, tmp_path, monkeypatch):
     def no_tokenization(job):
         raise AssertionError("counts should come from the cache")
 
-    monkeypatch.setattr("pipeline.student_data._count_shard", no_tokenization)
+    monkeypatch.setattr("pipeline.train_student.data._count_shard", no_tokenization)
     second = data_for(scored, student, tmp_path)
     np.testing.assert_array_equal(first.plan.doc_end, second.plan.doc_end)
 

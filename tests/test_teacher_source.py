@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.scoring.base import ScorerConfig
-from pipeline.scoring.hf import TransformersScorer, load_causal_lm
-from pipeline.teacher_source import TeacherSourceError, check_teacher_source
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.backends.hf import TransformersScorer, load_causal_lm
+from pipeline.score_teacher.teacher_source import TeacherSourceError, check_teacher_source
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

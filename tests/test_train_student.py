@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
-from pipeline.guided_trainer import DATA_IDENTITY_NAME
-from pipeline.train import (
+from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+from pipeline.train_student.trainer import DATA_IDENTITY_NAME
+from pipeline.train_student.run import (
     DataConfig,
     LossConfig,
     RunMismatchError,
@@ -35,7 +35,7 @@ METRICS = ("loss", "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", 
 
 @pytest.fixture(scope="module")
 def tiny_student(micro_corpus, tmp_path_factory) -> Path:
-    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.lab.embedded.sample_corpus import clean_texts
 
     return build_tiny_student(clean_texts(micro_corpus), tmp_path_factory.mktemp("students") / "sp", SPEC)
 
@@ -186,7 +186,7 @@ def test_final_model_is_saved_in_the_chosen_dtype(tiny_student, micro_scored, tm
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from pipeline.train import final_dtype
+    from pipeline.train_student.run import final_dtype
 
     job = make_job(tiny_student, micro_scored, tmp_path / "run", steps=1, save_dtype="bfloat16")
     run_training(job)
@@ -217,7 +217,7 @@ def compose(overrides: list[str]):
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
 def test_paper_experiments_pin_the_recipe(experiment):
-    from pipeline.train import batch_geometry
+    from pipeline.train_student.run import batch_geometry
     from stages.train_student import job_config
 
     job = job_config(compose([f"experiment={experiment}"]))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from pipeline.scoring.vllm import PromptLogprobError, prompt_logprobs_to_losses
+from pipeline.score_teacher.backends.vllm import PromptLogprobError, prompt_logprobs_to_losses
 
 
 @dataclass

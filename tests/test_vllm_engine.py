@@ -15,9 +15,9 @@ def test_vllm_losses_match_transformers_on_full_length_windows(micro_teacher):
     left for the output token vLLM insists on); a full-length window and a short one are sent."""
     from transformers import AutoConfig
 
-    from pipeline.scoring.base import ScorerConfig
-    from pipeline.scoring.hf import TransformersScorer
-    from pipeline.scoring.vllm import VLLMScorer, engine_window
+    from pipeline.score_teacher.backends.base import ScorerConfig
+    from pipeline.score_teacher.backends.hf import TransformersScorer
+    from pipeline.score_teacher.backends.vllm import VLLMScorer, engine_window
 
     positions = AutoConfig.from_pretrained(micro_teacher).max_position_embeddings
     window = engine_window(positions, positions)

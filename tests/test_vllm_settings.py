@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.scoring.base import ScorerConfig
-from pipeline.scoring.vllm import engine_args, engine_window, greedy_prompt_logprob_params
-from pipeline.windows import plan_windows
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.backends.vllm import engine_args, engine_window, greedy_prompt_logprob_params
+from pipeline.score_teacher.windows import plan_windows
 
 
 def engine_accepts_prompt(prompt_len: int, max_model_len: int) -> bool:
@@ -47,8 +47,8 @@ def test_every_planned_window_is_accepted_by_the_engine(window, positions):
 def test_a_full_length_window_through_the_stage1_path_is_accepted(micro_corpus, micro_teacher):
     """prepare() with the vllm backend on a teacher of 64 positions: windows of 63 tokens, and the
     engine's max_model_len leaves room for the output token."""
-    from pipeline.corpus import CorpusConfig
-    from pipeline.score_job import ScoreJobConfig, TeacherConfig, prepare
+    from pipeline.score_teacher.corpus import CorpusConfig
+    from pipeline.score_teacher.job import ScoreJobConfig, TeacherConfig, prepare
 
     job = ScoreJobConfig(
         teacher=TeacherConfig(name="micro", model=str(micro_teacher)),  # window None: the model's 64

@@ -67,7 +67,7 @@ class HFGenerator:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from pipeline.scoring.hf import resolve_device
+        from pipeline.score_teacher.backends.hf import resolve_device
 
         self.cfg = cfg
         self.device = resolve_device(cfg.device)

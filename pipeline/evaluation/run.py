@@ -218,7 +218,7 @@ def checkpoint_identity(model: str, revision: str | None = None) -> dict:
 
 
 def _code_version() -> str:
-    from pipeline.score_job import code_version
+    from pipeline.score_teacher.job import code_version
 
     return code_version()
 

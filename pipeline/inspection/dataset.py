@@ -24,7 +24,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.teacher import ScoredDocument
+from pipeline.score_teacher.teacher import ScoredDocument
 from storage_schemas import read_manifest
 
 ENGINE = "streaming"  # polars' streaming engine: bounded memory for scans, explodes and group-bys

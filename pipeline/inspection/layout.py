@@ -6,7 +6,7 @@ histogram), so a colour means the same thing in every document; NaN (no predicti
 Pieces: teacher spans may overlap (a character split across byte-level tokens gives ``(3,5),
 (4,5)``) and student spans cut the text elsewhere, so a text is cut at every boundary of every
 tokenization into pieces that each show once; a piece's loss is the max over the teacher tokens
-covering it (via :func:`pipeline.align.align_document`, the pieces standing in for a student).
+covering it (via :func:`pipeline.train_student.align.align_document`, the pieces standing in for a student).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.align import align_document, overlap_pairs
+from pipeline.train_student.align import align_document, overlap_pairs
 from pipeline.tokenization import Encoding
 
 # Low loss (easy for the teacher) pale, high loss dark red: matplotlib's YlOrRd in ten steps.

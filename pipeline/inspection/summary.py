@@ -31,7 +31,7 @@ import numpy as np
 import polars as pl
 
 from pipeline.inspection.dataset import ENGINE, ScoredDataset
-from pipeline.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
+from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
 
 DEFAULT_QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
 DEFAULT_BIN_WIDTH = 1.0 / 128  # a power of two: bin edges are exact in float32

@@ -1,0 +1,36 @@
+"""``make bench``: the performance figures of issue #6, each measured as a ratio inside one run.
+
+Every figure compares two sides measured in the same process (or the same run), interleaved
+(A B B A A B ...) and repeated, so that a machine shared with other work slows both sides alike;
+the figure is the median over the repetitions of the per-repetition ratio, with its spread.
+Single-threaded sides are compared by process CPU time (what the work costs, undisturbed by
+time-slicing on a shared machine); multi-process and multi-threaded sides by wall time.
+
+Cases (one module each, a pure function from a typed config to a result dict):
+
+=================  ==========================================================================
+case               what it measures
+=================  ==========================================================================
+``alignment``      time to align / time to tokenize with the student, real tokenizers, >= 1 MiB
+                   of math text (:mod:`pipeline.lab.bench.alignment`); and the same documents through
+                   a FuseLLM-style minimum-edit-distance DTW alignment (:mod:`pipeline.lab.bench.dtw`)
+``stage1``         tokens/s of the whole ``score-teacher`` Ray job / tokens/s of a bare forward of
+                   the same teacher over the same batches (:mod:`pipeline.lab.bench.stage1`)
+``storage``        bytes on disk per teacher token, default and compact settings
+                   (:mod:`pipeline.lab.bench.storage`)
+``guided_loss``    one training step with the guided loss / with plain cross-entropy
+                   (:mod:`pipeline.lab.bench.guided`)
+``student_data``   tokens/s of read + tokenize + align + pack / tokens/s of tokenization alone
+                   (:mod:`pipeline.lab.bench.student_pipeline`)
+``memory``         peak RSS at 10x the corpus / at 1x, per stage and for inspection, each run in
+                   its own process (:mod:`pipeline.lab.bench.memory`)
+=================  ==========================================================================
+
+:mod:`pipeline.lab.bench.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
+step, data pipeline per core) as a standalone script that needs only torch, transformers,
+accelerate and pyarrow.
+
+Nothing here is a test: ``tests/test_bench.py`` only runs tiny sizes and checks the report's shape.
+"""
+
+CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory")

@@ -1,0 +1,433 @@
+"""Stage 1 as a Ray job: plan shards, score them on a pool of actors, write Parquet, summarise.
+
+The driver does everything that can fail on bad configuration *before* Ray starts (resolve the
+corpus, plan the shards, load the teacher's tokenizer and config, check the output folder). Then a
+pool of :class:`ShardScorer` actors, each holding the teacher once (``num_gpus`` per actor from the
+config), takes pending shards as they free up. An actor that dies is restarted by Ray and its shard
+is redone whole (``max_restarts``/``max_task_retries``). Each actor writes its shard and marker
+itself, so a shard is complete on disk before the driver hears of it.
+
+The dataset's identity (what the teacher, tokenizer, windows and corpus *are*: digests and hub ids,
+:mod:`pipeline.identity`) is compared on every rerun; where they were found is written to the
+manifest's ``location`` and never compared, so a moved or copied project resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline import __version__
+from pipeline.score_teacher.corpus import (
+    CorpusConfig,
+    ShardSpec,
+    SourceFile,
+    corpus_identity,
+    legacy_files_sha256,
+    plan_shards,
+    read_shard,
+    resolve_sources,
+)
+from pipeline.identity import is_local_model, model_identity
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.writer import (
+    DatasetMismatchError,
+    StorageConfig,
+    exclusive_writer,
+    finished_shards,
+    folder_problem,
+    prepare_output,
+    write_manifest,
+    write_shard,
+)
+from pipeline.score_teacher.teacher import SKIP_REASONS, WindowSettings
+from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
+from storage_schemas import IDENTITY_FORMAT
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    name: str
+    model: str  # hub id or local folder
+    revision: str | None = None
+    tokenizer: str | None = None  # defaults to the model's own tokenizer
+    window: int | None = None  # None: the model's max_position_embeddings
+    stride: int | None = None  # None: window // 2
+    trust_remote_code: bool = False
+    allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); see README
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None  # None: start a local cluster; "auto" or ray://host:port: join one
+    num_cpus: int | None = None  # local cluster only
+    include_dashboard: bool = False
+    dashboard_host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    num_actors: int | None = None  # None: one per GPU (num_gpus each), or CPUs // num_cpus
+    num_gpus: float = 0.0
+    num_cpus: float = 1.0
+    max_restarts: int = 2  # per actor, if it dies
+    max_task_retries: int = 2  # a shard on a dead actor is retried on its restart
+
+
+@dataclass(frozen=True)
+class ScoreJobConfig:
+    teacher: TeacherConfig
+    corpus: CorpusConfig
+    scorer: ScorerConfig
+    output_dir: str
+    ray: RayConfig = field(default_factory=RayConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    overwrite: bool = False
+    limit_shards: int | None = None  # score at most this many pending shards in this run
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    progress: bool = True
+    manifest_every_s: float = 10.0
+    migrate_identity: bool = False  # adopt this identity for a folder whose manifest predates it
+
+
+@dataclass
+class JobSummary:
+    output_dir: str
+    shards_planned: int
+    shards_done_before: int
+    shards_scored: int
+    shards_complete: int
+    documents: int  # in the whole dataset
+    tokens: int
+    documents_this_run: int
+    tokens_this_run: int
+    seconds: float
+    reasons: dict[str, int]
+    complete: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
+
+
+def code_version() -> str:
+    """The package version, plus the git commit when running from a checkout."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{__version__}+g{commit}" if commit else __version__
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparation (no Ray)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    shards: list[ShardSpec]
+    identity: dict
+    scorer: ScorerConfig  # with the window resolved
+    settings: WindowSettings
+    location: dict = field(default_factory=dict)  # where the teacher and corpus are (never compared)
+    legacy: dict = field(default_factory=dict)  # this setup as identity format 1 recorded it, less locations
+
+
+def prepare(cfg: ScoreJobConfig) -> Prepared:
+    """Everything that can fail on bad input, done before Ray starts."""
+    sources = resolve_sources(cfg.corpus)
+    shards = plan_shards(sources, cfg.corpus.rows_per_shard, cfg.corpus.limit_docs)
+    _check_local_paths(cfg.teacher)
+    tokenizer = load_tokenizer(
+        cfg.teacher.tokenizer or cfg.teacher.model,
+        revision=cfg.teacher.revision,
+        trust_remote_code=cfg.teacher.trust_remote_code,
+    )
+    window = cfg.teacher.window or _context_length(cfg.teacher)
+    if cfg.scorer.backend == "vllm":
+        window = _vllm_window(window, cfg.teacher)
+    stride = cfg.teacher.stride or window // 2
+    if not 1 <= stride < window:
+        raise ValueError(f"teacher.stride must be in [1, window) = [1, {window}), got {stride}")
+    settings = WindowSettings(window=window, stride=stride, bos_id=bos_token_id(tokenizer))
+    scorer = ScorerConfig(**{**asdict(cfg.scorer), "model": cfg.teacher.model, "revision": cfg.teacher.revision,
+                             "trust_remote_code": cfg.teacher.trust_remote_code, "window": window,
+                             "allow_bin": cfg.teacher.allow_bin})
+    if scorer.backend == "vllm":
+        from pipeline.score_teacher.backends.vllm import engine_args
+
+        engine_args(scorer)  # refuse settings the engine would refuse, before Ray starts
+    identity = {
+        "format": IDENTITY_FORMAT,
+        "teacher": {
+            "name": cfg.teacher.name,
+            **model_identity(cfg.teacher.model, cfg.teacher.revision),  # source, model, revision, digests
+            "tokenizer_sha256": fingerprint(tokenizer),
+            "vocab_size": len(tokenizer),
+            "bos_id": settings.bos_id,
+            "dtype": cfg.scorer.dtype,
+            "backend": cfg.scorer.backend,
+        },
+        "windows": {"window": window, "stride": stride, "min_left_context": window - stride},
+        "loss_precision": cfg.storage.loss_precision,
+        "corpus": corpus_identity(cfg.corpus, sources, shards),
+    }
+    return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings,
+                    location=_location(cfg.teacher, sources), legacy=_legacy_view(cfg, identity, sources))
+
+
+def _location(teacher: TeacherConfig, sources: list[SourceFile]) -> dict:
+    """Where the teacher, its tokenizer and the corpus files were found, for people (not compared)."""
+    def where(name: str) -> str:
+        return os.path.abspath(os.path.expanduser(name)) if is_local_model(name) else name
+
+    return {"teacher_model": where(teacher.model), "teacher_tokenizer": where(teacher.tokenizer or teacher.model),
+            "corpus_files": [os.path.abspath(s.path) for s in sources]}
+
+
+def _legacy_view(cfg: ScoreJobConfig, identity: dict, sources: list[SourceFile]) -> dict:
+    """This setup as identity format 1 recorded it, less what format 1 could only record as a
+    location (a local teacher's path, the tokenizer's path): what a manifest written by an older
+    version can be checked against (:func:`pipeline.score_teacher.writer.folder_problem`)."""
+    teacher = {k: identity["teacher"][k] for k in ("name", "tokenizer_sha256", "vocab_size", "bos_id", "dtype", "backend")}
+    teacher["revision"] = cfg.teacher.revision
+    if identity["teacher"]["source"] == "hub":
+        teacher["model"] = cfg.teacher.model
+    corpus = {**identity["corpus"], "files_sha256": legacy_files_sha256(sources)}
+    return {"teacher": teacher, "windows": identity["windows"], "loss_precision": identity["loss_precision"],
+            "corpus": corpus}
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
+
+
+def _check_local_paths(teacher: TeacherConfig) -> None:
+    """A teacher given as a local path must exist; anything else is taken as a hub id."""
+    for key in ("model", "tokenizer"):
+        value = getattr(teacher, key)
+        if value and _looks_local(value) and not os.path.exists(os.path.expanduser(value)):
+            raise FileNotFoundError(f"teacher.{key}: no such local file or folder: {value}")
+
+
+def _vllm_window(window: int, teacher: TeacherConfig) -> int:
+    """The window the vLLM engine can take: one token shorter where the teacher's positions leave
+    no room for the output token vLLM insists on (:func:`pipeline.score_teacher.backends.vllm.engine_window`)."""
+    from pipeline.score_teacher.backends.vllm import engine_window
+
+    shorter = engine_window(window, _context_length(teacher))
+    if shorter != window:
+        log.warning("vllm backend: windows of %d tokens, not %d: vLLM needs one position for an output "
+                    "token and %s has %d", shorter, window, teacher.model, shorter + 1)
+    return shorter
+
+
+def _context_length(teacher: TeacherConfig) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    raise ValueError(f"{teacher.model}: config gives no context length; set teacher.window")
+
+
+# ---------------------------------------------------------------------------------------------
+# The actor
+
+
+class ShardScorer:
+    """Holds the teacher once; scores and writes whole shards. Runs as a Ray actor."""
+
+    def __init__(self, prepared: Prepared, teacher: TeacherConfig, cfg: ScoreJobConfig, version: str):
+        import torch
+
+        from pipeline.score_teacher.backends.base import make_scorer
+
+        if cfg.pool.num_gpus == 0:
+            torch.set_num_threads(max(1, int(cfg.pool.num_cpus)))
+        self.prepared = prepared
+        self.cfg = cfg
+        self.version = version
+        self.tokenizer = load_tokenizer(
+            teacher.tokenizer or teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code
+        )
+        self.scorer = make_scorer(prepared.scorer)
+
+    def score_shard(self, spec: ShardSpec) -> dict:
+        from pipeline.score_teacher.teacher import score_documents
+
+        t0 = time.perf_counter()
+        docs = read_shard(spec, self.cfg.corpus.text_column)
+        result = score_documents(docs, self.tokenizer, self.scorer, self.prepared.settings)
+        entry = write_shard(
+            self.cfg.output_dir, spec.index, result, self.prepared.identity,
+            _shard_source(spec), self.version, storage=self.cfg.storage,
+        )
+        entry["seconds"] = time.perf_counter() - t0
+        return entry
+
+
+def _shard_source(spec: ShardSpec) -> dict:
+    return {"file": os.path.basename(spec.path), "kind": spec.kind, "start": spec.start, "stop": spec.stop,
+            "first_doc_id": f"{spec.label}:{spec.row_offset + spec.start}"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
+    t0 = time.perf_counter()
+    prepared = prepare(cfg)
+    _refuse_mismatch_early(cfg, prepared)
+    with exclusive_writer(cfg.output_dir):
+        return _score(cfg, prepared, t0)
+
+
+def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
+    """Check an existing folder before creating anything in it (the check repeats under the lock)."""
+    if Path(cfg.output_dir).is_dir() and not cfg.overwrite:
+        problem = folder_problem(Path(cfg.output_dir), prepared.identity, legacy=prepared.legacy,
+                                 migrate=cfg.migrate_identity)
+        if problem:
+            raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
+
+
+def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
+    version = code_version()
+    done, extra = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, legacy=prepared.legacy,
+                                 migrate=cfg.migrate_identity, location=prepared.location)
+    pending = [s for s in prepared.shards if s.index not in done]
+    if cfg.limit_shards is not None:
+        pending = pending[: cfg.limit_shards]
+    done_before = len(done)
+    scored: list[dict] = []
+    if pending:
+        try:
+            scored = _run_pool(cfg, prepared, pending, version, done, extra)
+        except BaseException:
+            _record_progress(cfg.output_dir, prepared, version, extra)  # list what did finish, then fail
+            raise
+    done = finished_shards(cfg.output_dir)
+    manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version, **extra)
+    totals = manifest["totals"]
+    return JobSummary(
+        output_dir=str(cfg.output_dir),
+        shards_planned=len(prepared.shards),
+        shards_done_before=done_before,
+        shards_scored=len(scored),
+        shards_complete=len(done),
+        documents=totals["documents"],
+        tokens=totals["tokens"],
+        documents_this_run=sum(e["rows"] for e in scored),
+        tokens_this_run=sum(e["tokens"] for e in scored),
+        seconds=time.perf_counter() - t0,
+        reasons=totals["reasons"],
+        complete=manifest["complete"],
+    )
+
+
+def _record_progress(output_dir: str, prepared: Prepared, version: str, extra: dict) -> None:
+    try:
+        write_manifest(output_dir, prepared.identity, finished_shards(output_dir), len(prepared.shards), version, **extra)
+    except OSError as exc:  # e.g. the disk is full: the markers still hold the truth
+        log.warning("could not update %s/manifest.json after the failure: %s", output_dir, exc)
+
+
+def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec], version: str, done: dict,
+              extra: dict) -> list[dict]:
+    import ray
+    from ray.util import ActorPool
+    from tqdm.auto import tqdm
+
+    started_ray = _init_ray(cfg.ray)
+    try:
+        n_actors = min(len(pending), _num_actors(cfg.pool))
+        actor_cls = ray.remote(ShardScorer).options(
+            num_gpus=cfg.pool.num_gpus,
+            num_cpus=cfg.pool.num_cpus,
+            max_restarts=cfg.pool.max_restarts,
+            max_task_retries=cfg.pool.max_task_retries,
+        )
+        actors = [actor_cls.remote(prepared, cfg.teacher, cfg, version) for _ in range(n_actors)]
+        pool = ActorPool(actors)
+        scored: list[dict] = []
+        last_manifest = time.monotonic()
+        bar = tqdm(total=len(pending), unit="shard", desc=f"scoring ({n_actors} actor{'s' * (n_actors > 1)})",
+                   disable=not cfg.progress, dynamic_ncols=True)
+        t_start = time.perf_counter()
+        results = pool.map_unordered(lambda actor, spec: actor.score_shard.remote(spec), pending)
+        while True:
+            try:
+                entry = next(results)
+            except StopIteration:
+                break
+            except ray.exceptions.RayError as exc:
+                raise RuntimeError(f"scoring failed: {_first_line(exc)}\n{exc}") from exc
+            scored.append(entry)
+            done[entry["index"]] = entry
+            tokens = sum(e["tokens"] for e in scored)
+            bar.update(1)
+            bar.set_postfix(docs=sum(e["rows"] for e in scored), tokens=tokens,
+                            tok_s=f"{tokens / max(time.perf_counter() - t_start, 1e-9):.0f}")
+            if time.monotonic() - last_manifest > cfg.manifest_every_s:
+                write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version, **extra)
+                last_manifest = time.monotonic()
+        bar.close()
+        for actor in actors:
+            ray.kill(actor)
+        return scored
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _init_ray(rc: RayConfig) -> bool:
+    """Start or join Ray; returns True when this call started it (so the job shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs = dict(include_dashboard=rc.include_dashboard, dashboard_host=rc.dashboard_host,
+                  log_to_driver=True, configure_logging=True, logging_level=logging.WARNING)
+    if rc.address:
+        ray.init(address=rc.address, **kwargs)
+    else:
+        ray.init(num_cpus=rc.num_cpus, **kwargs)
+    return True
+
+
+def _num_actors(pool: PoolConfig) -> int:
+    import ray
+
+    if pool.num_actors:
+        return pool.num_actors
+    resources = ray.cluster_resources()
+    if pool.num_gpus > 0:
+        n = int(resources.get("GPU", 0) // pool.num_gpus)
+        if n < 1:
+            raise RuntimeError(f"pool.num_gpus={pool.num_gpus} per actor, but the Ray cluster has {resources.get('GPU', 0)} GPUs")
+        return n
+    return max(1, int(resources.get("CPU", 1) // max(pool.num_cpus, 1e-9)))
+
+
+def skipped_reasons(reasons: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in reasons.items() if k in SKIP_REASONS}

@@ -1,0 +1,530 @@
+"""Stage-2 data: student tokenization, alignment to the teacher's losses, packing (METHOD 2.1, 2.3).
+
+The training data is a *map-style* dataset of packed samples, so that its order and the position
+in it are plain numbers: sample ``k`` is always the same tokens, and a resumed run that skips the
+first ``n`` samples sees exactly the batches an uninterrupted run would have seen.
+
+How it is built
+---------------
+1. **Lengths** (:func:`measure_documents`, once per student tokenizer and shard): every document
+   of every shard is tokenized with the student tokenizer to count its tokens. The counts are
+   cached as ``<cache_dir>/<tokenizer sha256[:16]>/<shard sha256>.npy``, so several runs of one
+   student (and every rank of a distributed run) reuse them. This pass reads every shard whole,
+   so a corrupt shard is found here, before training (an error naming the file, or skipped).
+2. **Order** (:func:`build_plan`): for each epoch ``e`` the shards are permuted with
+   ``default_rng([seed, e])`` and the rows inside each shard with ``default_rng([seed, e, shard])``
+   (``shuffle=false`` keeps file order). Shuffling stays within shards so that reading stays local
+   (one decoded row group serves many samples); it is a pure function of ``(seed, epoch)``.
+   The epochs are concatenated into one stream, so the trainer sees a single pass.
+3. **Packing**: each document contributes ``[BOS] tokens [EOS]`` to the stream (BOS when the
+   student's tokenizer adds one itself, as Llama's does; EOS between documents always). Documents
+   with no student token (empty text) contribute nothing and are counted. Sample ``k`` is the
+   window ``stream[k L : k L + L + 1]``: ``input_ids`` its first ``L`` tokens, ``labels`` its last
+   ``L``, so consecutive samples overlap by one token and every token after the first is a
+   target exactly once. The last partial window is dropped. Documents are not isolated by an
+   attention mask (as in the paper's LitGPT pretraining); EOS marks the boundary.
+4. **Alignment** (:class:`PackedDataset`, in data-loader workers): the documents of a batch of
+   samples, and of the samples the worker will be asked for next, are tokenized with offsets in
+   one call (:func:`pipeline.tokenization.encode_batch`, special-token strings stay text), aligned
+   to the teacher's spans in one call (:func:`pipeline.train_student.align.align_documents`), cached and sliced. Each
+   position carries its target id, ``teacher_loss`` (the aggregated ``L_t`` of the target, NaN
+   where unmapped) and ``mapped``. BOS/EOS are unmapped; so is every token of a document the
+   teacher stored with zero tokens (whitespace-only texts): such documents are trained as unmapped.
+
+Alignment methods: ``token`` (METHOD 2.1 span overlap, aggregated with max/mean/min), ``chunk``
+(the C-chunk ablation, a mean per chunk) and ``one_to_one`` (same-vocabulary Rho-1; needs identical
+spans). :func:`resolve_alignment` turns ``token`` into ``one_to_one`` when the student's tokenizer
+is the teacher's (same sha256 fingerprint), as METHOD asks for identical tokenizers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from pipeline.train_student.align import AGGREGATIONS, align_document, align_documents
+from storage_schemas.reader import BadShardError, ScoredDataset, ShardInfo, ShardReader, read_row_group
+from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
+
+log = logging.getLogger(__name__)
+
+ALIGNMENTS = ("token", "chunk", "one_to_one")
+
+
+@dataclass(frozen=True)
+class AlignmentConfig:
+    method: str = "token"  # token | chunk | one_to_one
+    aggregate: str = "max"  # max | mean | min (token-level only)
+    n_chunks: int = 8  # chunk-level only: C
+
+    def __post_init__(self) -> None:
+        if self.method not in ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {self.method!r}")
+        if self.aggregate not in AGGREGATIONS:
+            raise ValueError(f"aggregate must be one of {AGGREGATIONS}, got {self.aggregate!r}")
+        if self.n_chunks < 1:
+            raise ValueError(f"n_chunks must be >= 1, got {self.n_chunks}")
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    seq_len: int
+    seed: int = 0
+    shuffle: bool = True
+    epochs: int = 1  # passes over the documents, concatenated into one stream
+    add_bos: bool | None = None  # None: when the student's tokenizer adds one itself
+    add_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+
+
+def resolve_alignment(config: AlignmentConfig, tokenizer, teacher_identity: dict) -> AlignmentConfig:
+    """``token`` becomes ``one_to_one`` when the student tokenizer is the teacher's (same fingerprint)."""
+    teacher_sha = (teacher_identity.get("teacher") or {}).get("tokenizer_sha256")
+    if config.method == "token" and teacher_sha and teacher_sha == fingerprint(tokenizer):
+        log.info("student and teacher share the tokenizer: one-to-one alignment (same-vocabulary Rho-1)")
+        return replace(config, method="one_to_one")
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Lengths
+
+
+def measure_documents(
+    dataset: ScoredDataset,
+    tokenizer,
+    cache_dir: str | os.PathLike | None,
+    *,
+    num_proc: int = 1,
+    on_bad_shard: str = "error",
+) -> tuple[ScoredDataset, list[np.ndarray]]:
+    """Student token counts per document, one int32 array per shard (module docstring, step 1).
+
+    Returns the dataset (without the shards that failed to read when ``on_bad_shard="skip"``,
+    which are added to its ``skipped`` list) and the counts of its shards, in order.
+    """
+    require_fast(tokenizer, "student tokenizer")
+    folder = Path(cache_dir) / fingerprint(tokenizer)[:16] if cache_dir else None
+    results: list[np.ndarray | str | None] = [_cached_lengths(folder, s) for s in dataset.shards]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        log.info("counting student tokens of %d shard(s) (cached for later runs)", len(todo))
+        jobs = [(dataset.shards[i], tokenizer) for i in todo]
+        if num_proc > 1 and len(todo) > 1:
+            import multiprocessing
+
+            with ProcessPoolExecutor(min(num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+                computed = list(pool.map(_count_shard, jobs))
+        else:
+            computed = [_count_shard(job) for job in jobs]
+        for i, value in zip(todo, computed):
+            results[i] = value
+            if folder is not None and not isinstance(value, str):
+                _store_lengths(folder, dataset.shards[i], value)
+    bad = [{"file": str(s.path), "reason": r} for s, r in zip(dataset.shards, results) if isinstance(r, str)]
+    if bad and on_bad_shard == "error":
+        raise BadShardError("\n".join(f"{b['file']}: {b['reason']}" for b in bad))
+    for b in bad:
+        log.warning("skipping shard %s: %s", b["file"], b["reason"])
+    keep = [i for i, r in enumerate(results) if not isinstance(r, str)]
+    if not keep:
+        raise BadShardError("no readable shard left:\n" + "\n".join(f"{b['file']}: {b['reason']}" for b in bad))
+    kept = ScoredDataset(folders=dataset.folders, shards=[dataset.shards[i] for i in keep],
+                         skipped=[*dataset.skipped, *bad])
+    return kept, [results[i] for i in keep]
+
+
+def _count_shard(job: tuple[ShardInfo, object]) -> np.ndarray | str:
+    """Token counts of one shard's documents, or the reason it cannot be read."""
+    shard, tokenizer = job
+    counts = []
+    try:
+        for group in range(len(shard.row_group_rows)):
+            table = read_row_group(shard, group)  # all columns: decoding them all validates the file
+            counts += count_tokens(tokenizer, table.column("text").to_pylist())
+    except BadShardError as exc:
+        return str(exc)
+    return np.asarray(counts, dtype=np.int32)
+
+
+def count_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
+    """``len(encode_batch(tokenizer, texts)[i])`` without the offsets (4x faster): the same call of
+    the same tokenizer, special-token strings kept as text. The data-loader workers check every
+    document's length against these counts."""
+    if not texts:
+        return []
+    out = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True,
+                    return_attention_mask=False, return_token_type_ids=False)
+    return [len(ids) for ids in out["input_ids"]]
+
+
+def _cache_file(folder: Path, shard: ShardInfo) -> Path | None:
+    return folder / f"{shard.sha256}.npy" if shard.sha256 else None
+
+
+def _cached_lengths(folder: Path | None, shard: ShardInfo) -> np.ndarray | None:
+    path = _cache_file(folder, shard) if folder else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        lengths = np.load(path)
+    except (OSError, ValueError):
+        return None
+    return lengths if lengths.shape == (shard.rows,) else None
+
+
+def _store_lengths(folder: Path, shard: ShardInfo, lengths: np.ndarray) -> None:
+    path = _cache_file(folder, shard)
+    if path is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}.npy"
+    np.save(tmp, lengths)
+    os.replace(tmp, path)  # concurrent writers (one per node) write identical files
+
+
+# --------------------------------------------------------------------------------------------
+# 2-3. Order and packing plan
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """The packed stream: which document comes where, and the samples cut from it."""
+
+    doc_shard: np.ndarray  # (D,) int32 shard index of each document in stream order
+    doc_row: np.ndarray  # (D,) int32 row within its shard
+    doc_end: np.ndarray  # (D,) int64 stream position where each document (with BOS/EOS) ends
+    seq_len: int
+    add_bos: bool
+    add_eos: bool
+    n_empty: int  # documents left out for having no student token (all epochs)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.doc_end[-1]) if self.doc_end.size else 0
+
+    @property
+    def n_samples(self) -> int:
+        return max(0, (self.n_tokens - 1) // self.seq_len)
+
+    def documents_of(self, k: int) -> list[tuple[int, int, int]]:
+        """``(doc position, start, stop)`` of sample ``k``: stream slices inside each document."""
+        if not 0 <= k < self.n_samples:
+            raise IndexError(f"sample {k} outside 0..{self.n_samples - 1}")
+        start, stop = k * self.seq_len, k * self.seq_len + self.seq_len + 1
+        out = []
+        d = int(np.searchsorted(self.doc_end, start, side="right"))
+        while start < stop:
+            doc_start = int(self.doc_end[d - 1]) if d else 0
+            end = min(stop, int(self.doc_end[d]))
+            out.append((d, start - doc_start, end - doc_start))
+            start, d = end, d + 1
+        return out
+
+    def document_span(self, first: int, last: int) -> range:
+        """Positions of the documents samples ``first..last`` (inclusive) take tokens from."""
+        start, stop = first * self.seq_len, last * self.seq_len + self.seq_len + 1
+        return range(int(np.searchsorted(self.doc_end, start, side="right")),
+                     int(np.searchsorted(self.doc_end, stop - 1, side="right")) + 1)
+
+    def document_length(self, d: int) -> int:
+        """Stream tokens of the document at position ``d`` (BOS and EOS included)."""
+        return int(self.doc_end[d] - (self.doc_end[d - 1] if d else 0))
+
+    def summary(self) -> dict:
+        return {"seq_len": self.seq_len, "n_documents": int(self.doc_row.size), "n_empty": self.n_empty,
+                "n_tokens": self.n_tokens, "n_samples": self.n_samples, "add_bos": self.add_bos,
+                "add_eos": self.add_eos}
+
+
+def document_order(rows_per_shard: Sequence[int], seed: int, epoch: int, shuffle: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(shard, row)`` arrays of one epoch's document order (module docstring, step 2)."""
+    n_shards = len(rows_per_shard)
+    shard_order = np.random.default_rng([seed, epoch]).permutation(n_shards) if shuffle else np.arange(n_shards)
+    shards, rows = [], []
+    for s in shard_order:
+        n = int(rows_per_shard[s])
+        rows.append(np.random.default_rng([seed, epoch, int(s)]).permutation(n) if shuffle else np.arange(n))
+        shards.append(np.full(n, s, dtype=np.int32))
+    if not shards:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    return np.concatenate(shards), np.concatenate(rows).astype(np.int32)
+
+
+def build_plan(lengths: Sequence[np.ndarray], config: PackingConfig, add_bos: bool) -> PackPlan:
+    """The packing plan for ``config.epochs`` concatenated epochs (module docstring, steps 2-3)."""
+    shards, rows = zip(*(document_order([len(x) for x in lengths], config.seed, e, config.shuffle)
+                         for e in range(config.epochs)))
+    doc_shard, doc_row = np.concatenate(shards), np.concatenate(rows)
+    offsets = np.cumsum([0, *[len(x) for x in lengths]])
+    flat = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+    n_student = flat[offsets[doc_shard] + doc_row]  # (D,)
+    keep = n_student > 0
+    stream_len = n_student[keep] + int(add_bos) + int(config.add_eos)
+    return PackPlan(
+        doc_shard=doc_shard[keep], doc_row=doc_row[keep], doc_end=np.cumsum(stream_len),
+        seq_len=config.seq_len, add_bos=add_bos, add_eos=config.add_eos, n_empty=int((~keep).sum()),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 4. The dataset
+
+
+@dataclass(frozen=True)
+class StudentDocument:
+    """One document as it enters the stream: ids with BOS/EOS, ``L_t`` and mapped per token."""
+
+    ids: np.ndarray  # (n,) int64
+    teacher_loss: np.ndarray  # (n,) float32, NaN where unmapped
+    mapped: np.ndarray  # (n,) bool
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Packed, aligned training samples (module docstring). Picklable; each data-loader worker
+    opens its own :class:`ShardReader` and keeps its own cache of aligned documents.
+
+    Documents are tokenized and aligned many at a time: one ``encode_batch`` call and one
+    :func:`pipeline.train_student.align.align_documents` call for every document a request needs that is not
+    cached, where a request is a whole batch of samples (a data loader hands a worker its batch
+    at once, :meth:`__getitems__`) or one sample. On a cache miss a request also reads ahead, up to
+    ``readahead_tokens`` stream tokens, the documents of the samples this worker is expected to
+    be asked for next. A sequential sampler gives each worker batches at a fixed stride (batch
+    size x workers x processes): the first request reads ahead at that stride, and later ones
+    when they came at the same stride as the request before them. A wrong guess costs time,
+    never a different sample: each document is a pure function of its row, so a sample is
+    the same alone, in any batch, in any worker, in any order and after a resume. The cache holds
+    at most ``2 * readahead_tokens`` tokens (at least four samples' worth) beyond the documents of
+    the current request.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[ShardInfo],
+        plan: PackPlan,
+        tokenizer,
+        alignment: AlignmentConfig,
+        *,
+        readahead_tokens: int = 2**18,
+    ):
+        require_fast(tokenizer, "student tokenizer")
+        self.shards = list(shards)
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.alignment = alignment
+        self.bos_id = tokenizer.bos_token_id
+        self.eos_id = tokenizer.eos_token_id
+        if plan.add_bos and self.bos_id is None:
+            raise ValueError("add_bos is set but the student tokenizer has no BOS token")
+        if plan.add_eos and self.eos_id is None:
+            raise ValueError("the student tokenizer has no EOS token to put between documents")
+        self.readahead_tokens = max(0, readahead_tokens)
+        self.cache_tokens = max(2 * self.readahead_tokens, 4 * plan.seq_len)
+        self._reader: ShardReader | None = None
+        self._docs: OrderedDict[int, StudentDocument] = OrderedDict()
+        self._cached_tokens = 0
+        self._last_first: int | None = None  # first sample of the previous request
+        self._stride: int | None = None  # samples between the first samples of the last two requests
+
+    def __len__(self) -> int:
+        return self.plan.n_samples
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_reader": None, "_docs": OrderedDict(), "_cached_tokens": 0,
+                "_last_first": None, "_stride": None}
+
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([k])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """Samples ``indices`` (what ``torch.utils.data.DataLoader`` asks a worker for at once)."""
+        layouts = [(int(k), self.plan.documents_of(int(k))) for k in indices]
+        needed = sorted({d for _, parts in layouts for d, _, _ in parts})
+        ahead = self._readahead([k for k, _ in layouts]) if any(d not in self._docs for d in needed) else []
+        self._observe([k for k, _ in layouts])
+        docs = self.documents(needed, ahead)
+        return [self._sample(k, [(docs[d], a, b) for d, a, b in parts]) for k, parts in layouts]
+
+    @staticmethod
+    def _sample(k: int, parts: list[tuple[StudentDocument, int, int]]) -> dict[str, torch.Tensor]:
+        ids = np.concatenate([doc.ids[a:b] for doc, a, b in parts])  # (L+1,)
+        teacher_loss = np.concatenate([doc.teacher_loss[a:b] for doc, a, b in parts])
+        mapped = np.concatenate([doc.mapped[a:b] for doc, a, b in parts])
+        return {
+            "input_ids": torch.from_numpy(ids[:-1].copy()),  # (L,)
+            "labels": torch.from_numpy(ids[1:].copy()),  # (L,) target of each position
+            "teacher_loss": torch.from_numpy(teacher_loss[1:].copy()),  # (L,) L_t of the target
+            "mapped": torch.from_numpy(mapped[1:].copy()),  # (L,)
+            "sample_index": torch.tensor(k, dtype=torch.int64),
+        }
+
+    def _observe(self, indices: list[int]) -> None:
+        """Remember the stride between this request and the previous one; after the first request,
+        the stride a sequential sampler would give: its size times the readers (workers x processes)."""
+        if indices:
+            first = min(indices)
+            self._stride = first - self._last_first if self._last_first is not None else len(indices) * _readers()
+            self._last_first = first
+
+    def _readahead(self, indices: list[int]) -> list[int]:
+        """Document positions of the samples expected next (class docstring), up to the token
+        budget: at the stride of the last two requests if this one came at it too (or, for the
+        first request, at the stride a sequential sampler would give)."""
+        first, last = min(indices), max(indices)
+        if self._last_first is None:
+            stride = len(indices) * _readers()
+        else:
+            stride = first - self._last_first if first - self._last_first == self._stride else 0
+        if not self.readahead_tokens or stride <= 0:
+            return []
+        ahead, tokens = [], 0
+        first, last = first + stride, last + stride
+        while first < self.plan.n_samples and tokens < self.readahead_tokens:
+            for d in self.plan.document_span(first, min(last, self.plan.n_samples - 1)):
+                if not ahead or d > ahead[-1]:  # a long document spans many samples: count it once
+                    ahead.append(d)
+                    tokens += self.plan.document_length(d)
+            first, last = first + stride, last + stride
+        return ahead
+
+    def document(self, d: int) -> StudentDocument:
+        """The aligned document at stream position ``d`` (cached)."""
+        return self.documents([d])[d]
+
+    def documents(self, positions: Sequence[int], ahead: Sequence[int] = ()) -> dict[int, StudentDocument]:
+        """The aligned documents at ``positions``: cached ones from the cache, the others (and
+        those of ``ahead`` not cached, which go to the cache only) tokenized and aligned together
+        (:meth:`_encode`)."""
+        found = {}
+        for d in positions:
+            if d in self._docs:
+                self._docs.move_to_end(d)
+                found[d] = self._docs[d]
+        missing = sorted({d for d in (*positions, *ahead) if d not in self._docs})
+        if missing:
+            for d, doc in zip(missing, self._encode(missing)):
+                self._docs[d] = doc
+                self._cached_tokens += doc.ids.size
+            found.update((d, self._docs[d]) for d in positions if d not in found)
+        self._trim_cache(keep=set(positions))
+        return found
+
+    def _trim_cache(self, keep: set[int]) -> None:
+        """Drop the least recently used documents, but not those of the current request, until the
+        cache holds at most ``cache_tokens`` tokens."""
+        for d in list(self._docs):
+            if self._cached_tokens <= self.cache_tokens:
+                break
+            if d not in keep:
+                self._cached_tokens -= self._docs.pop(d).ids.size
+
+    def _encode(self, positions: list[int]) -> list[StudentDocument]:
+        """Read, tokenize (one ``encode_batch`` call) and align (one ``align_documents`` call) the
+        documents at these stream positions, checking each length against the plan."""
+        if self._reader is None:
+            self._reader = ShardReader(self.shards)
+        where = [(int(self.plan.doc_shard[d]), int(self.plan.doc_row[d])) for d in positions]
+        rows = [self._reader.row(shard, row) for shard, row in where]
+        encodings = encode_batch(self.tokenizer, [r.text for r in rows])
+        for d, (shard, row), encoding in zip(positions, where, encodings):
+            expected = int(self.plan.doc_end[d] - (self.plan.doc_end[d - 1] if d else 0))
+            n = len(encoding) + int(self.plan.add_bos) + int(self.plan.add_eos)
+            if n != expected:
+                raise RuntimeError(
+                    f"{self.shards[shard].path} row {row}: {n} student tokens, the length plan says {expected}; "
+                    "the length cache does not match this tokenizer (delete it)"
+                )
+        aligned = self._align(encodings, rows, where)
+        head = np.asarray([self.bos_id] if self.plan.add_bos else [], dtype=np.int64)
+        tail = np.asarray([self.eos_id] if self.plan.add_eos else [], dtype=np.int64)
+        nan_head, nan_tail = np.full(head.size, np.nan, np.float32), np.full(tail.size, np.nan, np.float32)
+        off_head, off_tail = np.zeros(head.size, bool), np.zeros(tail.size, bool)
+        return [StudentDocument(ids=np.concatenate([head, encoding.ids, tail]).astype(np.int64, copy=False),
+                                teacher_loss=np.concatenate([nan_head, doc.teacher_loss, nan_tail]),
+                                mapped=np.concatenate([off_head, doc.mapped, off_tail]))
+                for encoding, doc in zip(encodings, aligned)]
+
+    def _align(self, encodings, rows, where) -> list:
+        """``align_documents`` for the batch; a document it refuses is named by file and row."""
+        method = self.alignment.method
+        options = dict(one_to_one=method == "one_to_one", n_chunks=self.alignment.n_chunks if method == "chunk" else None)
+        try:
+            return align_documents(encodings, [(r.starts, r.ends, r.losses) for r in rows], self.alignment.aggregate,
+                                   text_lens=[len(r.text) for r in rows], **options)
+        except ValueError:
+            for encoding, row, (shard, index) in zip(encodings, rows, where):  # find the document
+                try:
+                    align_document(encoding, row.starts, row.ends, row.losses, self.alignment.aggregate,
+                                   text_len=len(row.text), **options)
+                except ValueError as exc:
+                    raise ValueError(f"{self.shards[shard].path} row {index}: {exc}") from exc
+            raise
+
+
+def _readers() -> int:
+    """Data-loader workers of this process times processes of the run: how many readers share a
+    sequential sampler's batches in turn."""
+    info = torch.utils.data.get_worker_info()
+    workers = info.num_workers if info is not None else 1
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return workers * (torch.distributed.get_world_size() if distributed else 1)
+
+
+def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack samples into a batch: (B, L) tensors and a (B,) ``sample_index``."""
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+# --------------------------------------------------------------------------------------------
+# Everything together
+
+
+@dataclass
+class StudentData:
+    dataset: PackedDataset
+    scored: ScoredDataset  # the shards actually used
+    plan: PackPlan
+    alignment: AlignmentConfig  # as resolved
+
+    def identity(self, tokenizer_sha256: str, packing: PackingConfig) -> dict:
+        """The scored dataset's identity plus everything that fixes the sample order."""
+        return {
+            **self.scored.identity(),
+            "student_tokenizer_sha256": tokenizer_sha256,
+            "alignment": {"method": self.alignment.method, "aggregate": self.alignment.aggregate,
+                          "n_chunks": self.alignment.n_chunks},
+            "packing": {"seed": packing.seed, "shuffle": packing.shuffle, "epochs": packing.epochs,
+                        **self.plan.summary()},
+        }
+
+
+def build_student_data(
+    scored: ScoredDataset,
+    tokenizer,
+    packing: PackingConfig,
+    alignment: AlignmentConfig,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    num_proc: int = 1,
+    on_bad_shard: str = "error",
+) -> StudentData:
+    """Measure, plan and wrap a scored dataset as packed samples for one student tokenizer."""
+    scored, lengths = measure_documents(scored, tokenizer, cache_dir, num_proc=num_proc, on_bad_shard=on_bad_shard)
+    add_bos = packing.add_bos if packing.add_bos is not None else bos_token_id(tokenizer) is not None
+    plan = build_plan(lengths, packing, add_bos)
+    alignment = resolve_alignment(alignment, tokenizer, scored.folders[0].identity)
+    return StudentData(PackedDataset(scored.shards, plan, tokenizer, alignment), scored, plan, alignment)

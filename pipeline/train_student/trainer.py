@@ -1,0 +1,369 @@
+"""The Hugging Face ``Trainer`` with the teacher-guided loss, its metrics and its records.
+
+:class:`GuidedTrainer` changes three things of ``transformers.Trainer``:
+
+* ``compute_loss`` runs the student on ``input_ids`` and hands its logits to
+  :func:`pipeline.train_student.guided_loss.guided_loss` with the batch's ``labels`` (already the next token of
+  each position: the data is packed with the shift done, see :mod:`pipeline.train_student.data`, so
+  nothing is shifted here), ``teacher_loss`` and ``mapped``. The loss is a per-micro-batch mean
+  (``loss_is_scaled_for_ga = False``: the Trainer divides it by the accumulation steps), so with
+  gradient accumulation and with several processes every micro-batch selects its own top k%;
+  METHOD 2.2 asks for this to be documented: the selection is per micro-batch and per rank.
+* the training sampler is sequential: the dataset is already in its shuffled order, and a
+  sequential sampler makes the Trainer's resume (skip the batches already trained, without loading
+  them) land exactly on the next sample.
+* every logging step adds token-weighted statistics of the selection, summed over the
+  micro-batches and processes since the last log: ``loss_kept`` (student loss on the trained
+  tokens), ``loss_all`` (on all tokens), ``kept_fraction``, ``mapped_fraction``,
+  ``teacher_loss_kept`` / ``teacher_loss_dropped`` (mean ``L_t`` of selected / not selected mapped
+  tokens), ``excess_loss`` (mean ``l_s - L_t`` over mapped tokens), ``tokens_per_s`` (all
+  processes, wall clock between logs), ``tokens_seen`` and ``sample_first``/``sample_last`` (the
+  range of sample indices trained since the last log). The Trainer adds ``loss``,
+  ``learning_rate``, ``grad_norm`` and ``epoch``.
+
+* a step with a non-finite loss or gradient is skipped (:class:`NonFiniteGuard`, below).
+
+``random`` mode draws its tokens from a generator seeded with ``(seed, step, micro-batch, rank)``,
+so a resumed run draws the same tokens. Callbacks write the metrics as JSON lines
+(:class:`JsonlMetricsCallback`) and, into every checkpoint, the scored dataset's identity and a
+completion marker (:class:`CheckpointRecordCallback`).
+
+Non-finite steps
+----------------
+After the backward pass of a step's last micro-batch (gradients complete, not yet clipped), the
+step is checked: if the loss of *any* of its micro-batches, on any process, or the gradient norm
+is not finite, the whole optimizer step is skipped: ``optimizer.step()`` is not called, so the
+weights, AdamW's moments, its step count and weight decay all stay exactly as they were (with
+gradient accumulation one bad micro-batch discards the step's other micro-batches too). The
+step still counts: its batches are consumed, ``global_step`` and the learning-rate schedule
+advance, so the schedule stays a function of the step number and a resumed run stays exact.
+Skipped steps are logged (a warning per step; ``nonfinite_steps``, the run's total so far, and
+``skipped_steps``, those since the last log, in every log record) and kept in the checkpoints. The
+statistics of the selection (``loss_kept``...) cover the applied steps only. After
+``max_in_a_row`` skipped steps in a row the trainer saves a checkpoint (its weights are those of
+the last applied step) and stops; :func:`pipeline.train_student.run.run_training` then raises
+:class:`NonFiniteLossError` naming the steps, their samples and the checkpoint. With fp16 the
+gradient scaler keeps handling gradient overflow itself (scaled gradients overflow by design);
+only non-finite losses are counted there.
+
+Checkpoints are complete when ``checkpoint_complete.json`` exists: it is written last, after the
+Trainer's files and the data identity, so a process killed while saving leaves a folder without
+it, which :mod:`pipeline.train_student.run` never resumes from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback
+
+from pipeline.train_student.guided_loss import SelectionConfig, guided_loss
+
+log = logging.getLogger(__name__)
+
+DATA_IDENTITY_NAME = "data_identity.json"
+COMPLETE_NAME = "checkpoint_complete.json"
+METRICS_NAME = "metrics.jsonl"
+
+# Running sums kept on the device between logging steps (no host synchronisation per step).
+_SUMS = ("tokens", "n_valid", "n_mapped", "n_selected", "n_kept", "loss_kept", "loss_all",
+         "teacher_loss_kept", "teacher_loss_dropped", "excess_loss")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient; the run stopped."""
+
+
+@dataclass
+class NonFiniteGuard:
+    """Which optimizer steps were skipped for a non-finite loss or gradient (module docstring),
+    the current streak, and when to stop. Saved in every checkpoint, so a resumed run keeps
+    counting where the interrupted one was."""
+
+    max_in_a_row: int = 5
+    skipped: list[int] = field(default_factory=list)  # 1-based optimizer steps, as in the logs
+    in_a_row: int = 0
+
+    def record(self, step: int, finite: bool) -> bool:
+        """Record step ``step``; True when the run must stop."""
+        if finite:
+            self.in_a_row = 0
+            return False
+        self.skipped.append(step)
+        self.in_a_row += 1
+        return self.in_a_row >= self.max_in_a_row
+
+    def state(self) -> dict:
+        return {"skipped": list(self.skipped), "in_a_row": self.in_a_row}
+
+    def restore(self, state: dict | None) -> None:
+        state = state or {}
+        self.skipped = [int(s) for s in state.get("skipped", [])]
+        self.in_a_row = int(state.get("in_a_row", 0))
+
+
+class GuidedTrainer(Trainer):
+    def __init__(self, *args, selection: SelectionConfig, seed: int = 0, guard: NonFiniteGuard | None = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.selection = selection
+        self.selection_seed = seed
+        self.guard = guard or NonFiniteGuard()
+        self.stop_reason: str | None = None  # set when the guard stopped the run
+        self.loss_is_scaled_for_ga = False
+        self._sums = None  # (len(_SUMS),) float64 on the device
+        self._samples = None  # (2,) first and last sample index since the last log, on the device
+        self._step_sums = None  # (len(_SUMS),) of the current optimizer step's micro-batches
+        self._step_nonfinite = None  # 0-dim bool: a micro-batch of the current step had a non-finite loss
+        self._skip_update = False  # the decision for the current step, read by the guarded optimizer step
+        self._skipped_since_log = 0
+        self._micro = (-1, 0)  # (global step, micro-batch index within it)
+        self._last_log_time = None
+
+    # ---- data --------------------------------------------------------------------------------
+
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    # ---- loss --------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logits = model(input_ids=inputs["input_ids"]).logits  # (B, T, V)
+        loss, stats = guided_loss(
+            logits, inputs["labels"], inputs.get("teacher_loss"), inputs.get("mapped"),
+            self.selection, generator=self._generator(logits.device),
+        )
+        if model.training:
+            self._accumulate(inputs, stats, loss)
+        return (loss, {"logits": logits}) if return_outputs else loss
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        """For ``random`` mode: a generator seeded by (seed, step, micro-batch, rank)."""
+        step, micro = self._micro
+        self._micro = (self.state.global_step, micro + 1 if step == self.state.global_step else 0)
+        if self.selection.mode != "random":
+            return None
+        seed = np.random.SeedSequence(
+            [self.selection_seed, self.state.global_step, self._micro[1], self.args.process_index]
+        ).generate_state(1)[0]
+        return torch.Generator(device=device).manual_seed(int(seed))
+
+    def _accumulate(self, inputs, stats, loss) -> None:
+        n_dropped = stats.n_mapped - stats.n_selected
+        values = torch.stack([
+            torch.tensor(inputs["input_ids"].numel(), device=loss.device, dtype=torch.float64),
+            stats.n_valid, stats.n_mapped, stats.n_selected, stats.n_kept,
+            loss.detach() * stats.n_kept,
+            stats.loss_all * stats.n_valid,
+            stats.teacher_loss_kept * stats.n_selected,
+            stats.teacher_loss_dropped * n_dropped,
+            stats.excess_loss * stats.n_mapped,
+        ]).double().nan_to_num(nan=0.0)  # a mean over no token is NaN; its weight is 0
+        self._step_sums = values if self._step_sums is None else self._step_sums + values
+        bad = ~torch.isfinite(loss.detach())
+        self._step_nonfinite = bad if self._step_nonfinite is None else self._step_nonfinite | bad
+        idx = inputs["sample_index"].double()
+        span = torch.stack([idx.min(), idx.max()])
+        self._samples = span if self._samples is None else torch.stack(
+            [torch.minimum(self._samples[0], span[0]), torch.maximum(self._samples[1], span[1])])
+
+    # ---- non-finite steps (module docstring) --------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer (AdamW by default), its ``step`` guarded: on a skipped step it
+        does nothing at all (no moment update, no weight decay, no step count)."""
+        optimizer = super().create_optimizer(model)
+        if not hasattr(optimizer, "unguarded_step"):
+            unguarded = optimizer.step
+
+            def step(*args, **kwargs):
+                return None if self._skip_update else unguarded(*args, **kwargs)
+
+            optimizer.unguarded_step, optimizer.step = unguarded, step
+        return optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:  # the step's last micro-batch: its gradients are complete
+            self._decide_update()
+        return loss
+
+    def _decide_update(self) -> None:
+        """Check the step (losses of its micro-batches, gradient norm) on every process, count it,
+        and stop the run after too many bad steps in a row."""
+        bad = self._step_nonfinite
+        bad = torch.zeros((), dtype=torch.bool, device=self.args.device) if bad is None else bad
+        if self.accelerator.scaler is None:  # with fp16 the scaler owns gradient overflow
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            if grads:
+                bad = bad | ~torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        if self.args.world_size > 1:
+            bad = self.accelerator.reduce(bad.float(), reduction="sum") > 0
+        skip = bool(bad.item())  # one host synchronisation per optimizer step
+        step = self.state.global_step + 1
+        self._skip_update = skip
+        if self._step_sums is not None:
+            kept = self._step_sums
+            if skip:  # a skipped step's tokens count for throughput only (_SUMS[0])
+                kept = torch.cat([kept[:1], torch.zeros_like(kept[1:])])
+            self._sums = kept if self._sums is None else self._sums + kept
+        self._step_sums = self._step_nonfinite = None
+        stop = self.guard.record(step, finite=not skip)
+        if skip:
+            self._skipped_since_log += 1
+            if self.is_world_process_zero():
+                log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row, %d in this run)",
+                            step, self.guard.in_a_row, len(self.guard.skipped))
+        if stop:
+            self.stop_reason = self._stop_message(step)
+            self.control.should_training_stop = True
+            self.control.should_save = True  # the last applied step's weights, resumable
+            self.control.should_log = True
+
+    def _stop_message(self, step: int) -> str:
+        a = self.args
+        first = step - self.guard.in_a_row + 1
+        per_step = a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size
+        return (
+            f"training stopped at step {step}: {self.guard.in_a_row} optimizer steps in a row (steps {first}-{step}, "
+            f"packed samples {(first - 1) * per_step}-{step * per_step - 1}) had a non-finite loss or gradient; "
+            f"none of them changed the weights ({len(self.guard.skipped)} skipped steps in this run). The checkpoint "
+            f"{Path(a.output_dir) / f'checkpoint-{step}'} holds the weights of step {first - 1}. Lower the learning "
+            "rate, inspect those samples, or raise train.max_nonfinite_in_a_row; a rerun resumes from that checkpoint."
+        )
+
+    # ---- logging -----------------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._sums is not None:  # a training logging step, on every rank
+            logs.update(self._selection_metrics())
+            logs.update(nonfinite_steps=len(self.guard.skipped), skipped_steps=self._skipped_since_log)
+            self._skipped_since_log = 0
+        super().log(logs, start_time)
+
+    def _selection_metrics(self) -> dict[str, float]:
+        sums, samples = self._sums, self._samples
+        if self.args.world_size > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+            gathered = self.accelerator.gather(samples.unsqueeze(0))  # (world, 2)
+            samples = torch.stack([gathered[:, 0].min(), gathered[:, 1].max()])
+        s = dict(zip(_SUMS, sums.tolist()))
+        now = time.perf_counter()
+        elapsed = now - self._last_log_time if self._last_log_time is not None else math.nan
+        self._last_log_time = now
+        self._sums = self._samples = None
+        return {
+            "loss_kept": _ratio(s["loss_kept"], s["n_kept"]),
+            "loss_all": _ratio(s["loss_all"], s["n_valid"]),
+            "kept_fraction": _ratio(s["n_kept"], s["n_valid"]),
+            "mapped_fraction": _ratio(s["n_mapped"], s["n_valid"]),
+            "teacher_loss_kept": _ratio(s["teacher_loss_kept"], s["n_selected"]),
+            "teacher_loss_dropped": _ratio(s["teacher_loss_dropped"], s["n_mapped"] - s["n_selected"]),
+            "excess_loss": _ratio(s["excess_loss"], s["n_mapped"]),
+            "tokens_per_s": s["tokens"] / elapsed if elapsed and elapsed > 0 else math.nan,
+            "tokens_seen": self.state.global_step * self.tokens_per_step,
+            "sample_first": float(samples[0]),
+            "sample_last": float(samples[1]),
+        }
+
+    @property
+    def tokens_per_step(self) -> int:
+        a = self.args
+        return a.per_device_train_batch_size * a.gradient_accumulation_steps * a.world_size * self.train_dataset.plan.seq_len
+
+    def train(self, *args, **kwargs):
+        self._last_log_time = time.perf_counter()
+        return super().train(*args, **kwargs)
+
+
+def _ratio(total: float, count: float) -> float:
+    return total / count if count > 0 else math.nan
+
+
+# --------------------------------------------------------------------------------------------
+# Callbacks
+
+
+class JsonlMetricsCallback(TrainerCallback):
+    """Appends every log as one JSON line (``{"step": ..., **logs}``) to ``<output_dir>/metrics.jsonl``.
+
+    On a resume, lines of steps after the checkpoint are dropped first (and a last line cut short
+    by a killed process), so the file reads as one run: each step once, in order. The rewrite goes
+    through a temporary file, so a kill during it leaves the old file.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.path.is_file():
+            kept = [ln for ln in self.path.read_text().splitlines() if _step_of(ln) <= state.global_step]
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(ln + "\n" for ln in kept))
+            os.replace(tmp, self.path)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            record = {"step": state.global_step, "time": time.time(), **logs}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, allow_nan=True) + "\n")
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics line; infinity for a line that is not a JSON record (cut short)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
+
+
+class CheckpointRecordCallback(TrainerCallback):
+    """Completes every checkpoint folder the Trainer saved: the scored dataset's identity
+    (``data_identity.json``), then ``checkpoint_complete.json`` (the step and the
+    :class:`NonFiniteGuard` state), written last (after all processes finished their files)."""
+
+    def __init__(self, identity: dict, guard: NonFiniteGuard):
+        self.identity = identity
+        self.guard = guard
+
+    def on_save(self, args, state, control, **kwargs):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # every rank has written its RNG state
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir():
+                write_data_identity(folder, self.identity)
+                _write_json(folder / COMPLETE_NAME, {"step": state.global_step, "nonfinite": self.guard.state()})
+
+
+def is_complete_checkpoint(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / COMPLETE_NAME).is_file()
+
+
+def read_guard_state(folder: str | os.PathLike | None) -> dict | None:
+    """The :class:`NonFiniteGuard` state recorded in a complete checkpoint (None: none)."""
+    path = Path(folder) / COMPLETE_NAME if folder else None
+    return json.loads(path.read_text()).get("nonfinite") if path and path.is_file() else None
+
+
+def write_data_identity(folder: str | os.PathLike, identity: dict) -> None:
+    _write_json(Path(folder) / DATA_IDENTITY_NAME, identity)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    from storage_schemas import write_json_atomic
+
+    write_json_atomic(path, obj)
+
+
+def read_data_identity(folder: str | os.PathLike) -> dict | None:
+    path = Path(folder) / DATA_IDENTITY_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
