@@ -1,9 +1,38 @@
-"""The Parquet contract between the stages. Depends on pyarrow and the standard library only."""
+"""The scored-dataset contract between stage 1 and its readers (docs/METHOD.md §1.4, §1.5).
 
-from storage_schemas.scored import (  # noqa: F401
+* :mod:`~storage_schemas.schema`: the row schema, shard metadata keys, the Polars view of the schema;
+* :mod:`~storage_schemas.layout`: the folder (``dataset_dir``), shard, marker and manifest names,
+  reading the manifest, checking a shard file against its entry;
+* :mod:`~storage_schemas.rows`: the row invariants, checked in one place;
+* :mod:`~storage_schemas.identity`: comparing dataset identities;
+* :mod:`~storage_schemas.reader`: the one reader, :class:`~storage_schemas.reader.ScoredDataset`.
+
+The package needs pyarrow and NumPy only; Polars is imported where a Polars frame is asked for.
+"""
+
+from storage_schemas.identity import (  # noqa: F401
     IDENTITY_FORMAT,
-    LIST_COLUMNS,
+    data_identity_differences,
+    identity_format,
+    iter_identity_differences,
+    shard_identity_differences,
+)
+from storage_schemas.layout import (  # noqa: F401
     MANIFEST_NAME,
+    SHARD_RE,
+    complete_shard_files,
+    dataset_dir,
+    file_sha256,
+    marker_name,
+    marker_of,
+    read_manifest,
+    shard_file_problems,
+    shard_name,
+    write_json_atomic,
+)
+from storage_schemas.rows import RowRules, check_rows, table_problems  # noqa: F401
+from storage_schemas.schema import (  # noqa: F401
+    LIST_COLUMNS,
     META_CODE_VERSION,
     META_IDENTITY,
     META_KEYS,
@@ -12,16 +41,8 @@ from storage_schemas.scored import (  # noqa: F401
     ROW_SCHEMA,
     SCHEMA_VERSION,
     ContractError,
-    check_rows,
     check_schema,
-    complete_shard_files,
-    file_sha256,
-    identity_format,
-    marker_name,
-    read_manifest,
+    polars_schema,
     read_shard_metadata,
     schema_with_metadata,
-    shard_identity_differences,
-    shard_name,
-    write_json_atomic,
 )

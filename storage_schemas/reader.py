@@ -1,25 +1,25 @@
-"""Reading scored datasets (stage-1 output, :mod:`storage_schemas.scored`) for stage 2.
+"""The one reader of scored datasets (docs/METHOD.md §1.4, §2.4, §2.5): stage 2, inspection and
+tests all read through :class:`ScoredDataset`.
 
 :func:`open_scored_dataset` opens one or several scored folders and checks, before anything trains:
 
 * each folder's ``manifest.json`` (readable, schema version, complete unless ``allow_partial``);
-* each listed shard: the file exists, has the size the manifest recorded (a truncated copy is
-  caught here), a readable Parquet footer with the contract's schema and metadata, the same
-  identity as its folder's manifest, the recorded row count, and with ``verify="sha256"`` the
-  recorded checksum (a full read of every shard, off by default because it costs as much as the
-  data);
-* across folders: one teacher. Folders scored by different teachers (or by the same teacher with
-  another tokenizer, revision, dtype or window) cannot be mixed in one run; the refusal lists the
-  differences. Several folders of one teacher (e.g. corpora scored separately) are concatenated.
+* each listed shard (:func:`shard_problems`): the file exists, has the size the manifest recorded,
+  a readable Parquet footer with the contract's schema and metadata, the same identity and shard
+  index as its entry, the recorded row count, and with ``verify="sha256"`` the recorded checksum
+  (a full read of every shard, off by default because it costs as much as the data);
+* across folders: one teacher. Folders scored by different teachers (or teacher settings) cannot be
+  mixed in one run; the refusal lists the differences. Folders of one teacher are concatenated.
 
-A shard that fails a check is an error naming the file (``on_bad_shard="error"``, default) or is
-left out with a warning and counted (``"skip"``); the skipped shards are part of the dataset's
-identity, so a run never resumes on a different selection of shards.
+A shard that fails a check is an error naming the file (``on_bad_shard="error"``) or is left out
+with a warning and counted (``"skip"``); the skipped shards are part of the dataset's identity, so
+a run never resumes on a different selection of shards. :meth:`ScoredDataset.open` opens one folder
+as its manifest lists it, checking nothing per shard, for looking into it
+(``pipeline.inspection``, whose ``validate`` checks every file).
 
-The dataset's identity (each folder's identity, the shards used and skipped, by file name and
-sha256) is what stage 2 records in every checkpoint; :func:`data_identity_differences` compares two
-of them without the folders' paths, so a run resumes on a moved or copied dataset. Reading rows goes through :class:`ShardReader`, which
-keeps a few decoded row groups per process (data-loader worker) and names the file on any error.
+Rows are read three ways: :class:`ShardReader` (random access with a small row-group cache, for
+training), :meth:`ScoredDataset.iter_documents` (in order, one record batch at a time) and
+:meth:`ScoredDataset.scan` (a lazy Polars frame; Polars is imported only there).
 """
 
 from __future__ import annotations
@@ -29,24 +29,21 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage_schemas import (
-    LIST_COLUMNS,
-    MANIFEST_NAME,
-    META_IDENTITY,
-    ContractError,
-    file_sha256,
+from storage_schemas.identity import (
+    data_identity_differences,  # noqa: F401  (part of this module's interface)
     identity_format,
-    read_manifest,
-    read_shard_metadata,
+    iter_identity_differences,
     shard_identity_differences,
 )
-from storage_schemas.scored import iter_identity_differences
+from storage_schemas.layout import MANIFEST_NAME, file_sha256, read_manifest, shard_file_problems
+from storage_schemas.rows import list_column_values
+from storage_schemas.schema import LIST_COLUMNS, META_IDENTITY, META_SHARD, ContractError, polars_schema, read_shard_metadata
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +88,28 @@ class ScoredFolder:
     complete: bool
     n_shards_planned: int
     adopted_from: dict | None = None  # the format-1 identity its older shards carry, once migrated
+    manifest: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+class DocumentNotFoundError(ValueError):
+    """No document with the requested id among the shards the manifest lists."""
+
+
+@dataclass
+class DocumentRecord:
+    """One stored document (teacher token ids, spans and losses as NumPy arrays) and where it is."""
+
+    doc_id: str
+    text: str
+    ids: np.ndarray  # (M,) int32
+    starts: np.ndarray  # (M,) int32
+    ends: np.ndarray  # (M,) int32
+    losses: np.ndarray  # (M,) float32, NaN where nothing predicted the token
+    file: str = ""  # shard file name
+    row: int = -1  # row inside that shard
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
 
 
 @dataclass
@@ -99,8 +118,18 @@ class ScoredDataset:
     shards: list[ShardInfo]
     skipped: list[dict] = field(default_factory=list)  # [{"folder", "file", "reason"}], file relative to its folder
 
+    @classmethod
+    def open(cls, folder: str | os.PathLike) -> "ScoredDataset":
+        """One folder with the shards its manifest lists, complete or not, without per-shard checks
+        (reading a damaged shard fails then, naming the file)."""
+        opened, entries = _open_folder(Path(folder), allow_partial=True, quiet=True)
+        shards = [ShardInfo(path=opened.path / e["file"], folder=0, rows=int(e.get("rows", 0)),
+                            sha256=e.get("sha256", ""), row_group_rows=()) for e in entries]
+        return cls(folders=[opened], shards=shards)
+
     @property
     def teacher(self) -> dict:
+        """The parts of the identity that must agree across the folders of one run."""
         return {k: self.folders[0].identity.get(k) for k in TEACHER_KEYS}
 
     @property
@@ -110,7 +139,7 @@ class ScoredDataset:
     def identity(self) -> dict:
         """What a checkpoint records: enough to prove which scored data a student was trained on.
         Each folder's ``path`` and ``manifest_sha256`` say where it was and which manifest was read,
-        for people; :func:`data_identity_differences` leaves them out (module docstring)."""
+        for people; :func:`data_identity_differences` leaves them out."""
         return {
             "folders": [
                 {"path": str(f.path), "manifest_sha256": f.manifest_sha256, "complete": f.complete,
@@ -124,32 +153,108 @@ class ScoredDataset:
             "n_documents": self.n_documents,
         }
 
+    # The first folder as its manifest describes it (inspection opens one folder).
 
-def data_identity_differences(recorded: dict, current: dict) -> list[str]:
-    """How the data identity ``current`` (:meth:`ScoredDataset.identity`, plus what stage 2 adds)
-    differs from ``recorded`` (a checkpoint's), leaving out where things are: each folder's path
-    and manifest sha256 (the manifest also holds the location and code version of the last rerun,
-    which change when the data does not; the shards' sha256, which cover each shard's footer and
-    the identity in it, pin the data) and the paths and wording of skipped shards. A folder
-    migrated since the record (``adopted_from``) matches the identity it was adopted from."""
-    return list(iter_identity_differences(_comparable(recorded, current), _comparable(current, None)))
+    @property
+    def folder(self) -> Path:
+        return self.folders[0].path
+
+    @property
+    def manifest(self) -> dict:
+        return self.folders[0].manifest
+
+    @property
+    def entries(self) -> list[dict]:
+        return list(self.manifest.get("shards", []))
+
+    @property
+    def shard_paths(self) -> list[Path]:
+        return [s.path for s in self.shards]
+
+    @property
+    def teacher_tokenizer(self) -> str | None:
+        return teacher_tokenizer_location(self.manifest)
+
+    @property
+    def teacher_model(self) -> str:
+        """Where the teacher was (a path or hub id), for titles."""
+        location = self.manifest.get("location") or {}
+        return str(location.get("teacher_model") or (self.folders[0].identity.get("teacher") or {}).get("model"))
+
+    @property
+    def name(self) -> str:
+        """``<corpus>/<teacher>`` from the identity, for titles."""
+        identity = self.folders[0].identity
+        corpus = (identity.get("corpus") or {}).get("name", "?")
+        return f"{corpus}/{(identity.get('teacher') or {}).get('name', '?')}"
+
+    def scan(self, with_file: bool = False):
+        """Every shard as one ``polars.LazyFrame`` (only the columns a query names are read);
+        ``with_file`` adds a ``file`` column (shard file name)."""
+        import polars as pl
+
+        paths = [str(p) for p in self.shard_paths]
+        if not paths:
+            frame = pl.LazyFrame(schema=polars_schema())
+            return frame.with_columns(file=pl.lit(None, pl.String)) if with_file else frame
+        frame = pl.scan_parquet(paths, include_file_paths="file" if with_file else None)
+        if with_file:
+            frame = frame.with_columns(pl.col("file").str.replace(r"^.*[/\\]", ""))
+        return frame
+
+    def find_document(self, doc_id: str | None = None, min_tokens: int = 1) -> DocumentRecord:
+        """The document ``doc_id``, or (``None``) the first one with at least ``min_tokens`` tokens.
+
+        Shards are searched in order; Parquet statistics let the reader skip row groups that
+        cannot hold the id. :class:`DocumentNotFoundError` if there is no such document.
+        """
+        import polars as pl
+
+        for path in self.shard_paths:
+            frame = pl.scan_parquet(str(path)).with_row_index("row")
+            if doc_id is None:
+                frame = frame.filter(pl.col("token_ids").list.len() >= min_tokens)
+            else:
+                frame = frame.filter(pl.col("doc_id") == doc_id)
+            found = frame.head(1).collect()
+            if found.height:
+                table = found.to_arrow()
+                return next(_records(table, path.name, int(found["row"][0])))
+        wanted = f"document {doc_id!r}" if doc_id is not None else f"a document with >= {min_tokens} tokens"
+        raise DocumentNotFoundError(f"{self.folder}: no {wanted} in the shards listed by the manifest")
+
+    def iter_documents(self, limit: int | None = None, batch_rows: int = 256) -> Iterator[DocumentRecord]:
+        """Documents in dataset order, at most ``limit``; memory is one record batch at a time."""
+        seen = 0
+        for path in self.shard_paths:
+            row = 0
+            with pq.ParquetFile(path) as reader:
+                for batch in reader.iter_batches(batch_size=batch_rows):
+                    for record in _records(batch, path.name, row):
+                        if limit is not None and seen >= limit:
+                            return
+                        seen += 1
+                        yield record
+                    row += batch.num_rows
 
 
-def _comparable(identity: dict, current: dict | None) -> dict:
-    out = {k: v for k, v in identity.items() if k not in ("folders", "shards_skipped")}
-    now = (current or {}).get("folders") or []
-    folders = {}  # keyed by position, so that differences are named down to the field
-    for i, folder in enumerate(identity.get("folders") or []):
-        ident = folder.get("identity")
-        adopted = now[i].get("adopted_from") if i < len(now) else None
-        if adopted is not None and ident == adopted:
-            ident = now[i]["identity"]
-            if i == 0:
-                out["teacher"] = current.get("teacher")
-        folders[str(i)] = {"complete": folder.get("complete"), "identity": ident}
-    out["folders"] = folders
-    out["shards_skipped"] = [Path(s.get("file", "")).name for s in identity.get("shards_skipped") or []]
-    return out
+def _records(batch: pa.RecordBatch | pa.Table, file: str, first_row: int) -> Iterator[DocumentRecord]:
+    """The rows of ``batch`` as :class:`DocumentRecord` (lists are views into one flat buffer)."""
+    doc_ids = batch.column("doc_id").to_pylist()
+    texts = batch.column("text").to_pylist()
+    lists = {c: list_column_values(batch, c) for c in LIST_COLUMNS}
+    dtypes = {"token_ids": np.int32, "starts": np.int32, "ends": np.int32, "losses": np.float32}
+    flat = {c: values.astype(dtypes[c], copy=False) for c, (values, _) in lists.items()}
+    for r in range(batch.num_rows):
+        parts = [flat[c][lists[c][1][r]: lists[c][1][r + 1]] for c in LIST_COLUMNS]
+        yield DocumentRecord(doc_ids[r], texts[r], *parts, file=file, row=first_row + r)
+
+
+def teacher_tokenizer_location(manifest: dict) -> str | None:
+    """Where the scoring job found the teacher's tokenizer (a path or hub id): the manifest's
+    ``location``, or, for a manifest of identity format 1, the path its identity recorded."""
+    location = (manifest.get("location") or {}).get("teacher_tokenizer")
+    return location or ((manifest.get("identity") or {}).get("teacher") or {}).get("tokenizer")
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,11 +285,13 @@ def open_scored_dataset(
     bad: list[dict] = []
     for index, (folder, entries) in enumerate(opened):
         for entry in entries:
-            shard, problem = _check_shard(folder, index, entry, verify)
-            if problem:
-                bad.append({"folder": index, "file": entry.get("file", "?"), "reason": problem})
+            check = shard_problems(folder.path, entry, folder.manifest, checksum=verify == "sha256")
+            if check.problems:
+                reason = "; ".join(message for _, message in check.problems)
+                bad.append({"folder": index, "file": entry.get("file", "?"), "reason": reason})
             else:
-                shards.append(shard)
+                shards.append(ShardInfo(path=folder.path / entry["file"], folder=index, rows=check.rows,
+                                        sha256=entry.get("sha256", ""), row_group_rows=check.row_group_rows))
     if bad and on_bad_shard == "error":
         raise BadShardError(_bad_message(bad, paths))
     for b in bad:
@@ -200,7 +307,7 @@ def _bad_message(bad: list[dict], paths: list[Path]) -> str:
             "Rescore them (make score-teacher finds and redoes them), or set data.on_bad_shard=skip.")
 
 
-def _open_folder(path: Path, allow_partial: bool) -> tuple[ScoredFolder, list[dict]]:
+def _open_folder(path: Path, allow_partial: bool, quiet: bool = False) -> tuple[ScoredFolder, list[dict]]:
     manifest = read_manifest(path)
     planned = int(manifest.get("n_shards_planned", len(manifest["shards"])))
     complete = bool(manifest.get("complete", False))
@@ -209,7 +316,7 @@ def _open_folder(path: Path, allow_partial: bool) -> tuple[ScoredFolder, list[di
             f"{path}: scoring is incomplete ({len(manifest['shards'])}/{planned} shards); finish it with "
             "make score-teacher, or train on the finished shards with data.allow_partial=true"
         )
-    if not complete:
+    if not complete and not quiet:
         log.warning("%s: incomplete scored dataset, using its %d finished shards of %d",
                     path, len(manifest["shards"]), planned)
     folder = ScoredFolder(
@@ -219,6 +326,7 @@ def _open_folder(path: Path, allow_partial: bool) -> tuple[ScoredFolder, list[di
         complete=complete,
         n_shards_planned=planned,
         adopted_from=manifest.get("adopted_from"),
+        manifest=manifest,
     )
     return folder, list(manifest["shards"])
 
@@ -241,30 +349,46 @@ def _check_one_teacher(opened: list[tuple[ScoredFolder, list[dict]]]) -> None:
             )
 
 
-def _check_shard(folder: ScoredFolder, index: int, entry: dict, verify: str) -> tuple[ShardInfo | None, str | None]:
-    """A :class:`ShardInfo`, or the reason the shard cannot be used."""
-    path = folder.path / entry["file"]
+@dataclass
+class ShardCheck:
+    """What :func:`shard_problems` found: ``(file name, problem)`` pairs, and the shard's metadata
+    when its footer could be read."""
+
+    problems: list[tuple[str, str]]
+    meta: dict | None = None
+    rows: int = 0
+    row_group_rows: tuple[int, ...] = ()
+
+
+def shard_problems(folder: Path, entry: dict | None, manifest: Mapping, *, checksum: bool,
+                   marker: bool = False, file: str | None = None) -> ShardCheck:
+    """Every way one shard breaks the contract at file level: against its manifest ``entry`` (file,
+    size, checksum, marker: :func:`storage_schemas.layout.shard_file_problems`), then its footer,
+    schema and metadata, its identity against the ``manifest``'s, its shard index and row count.
+    Without an entry (a shard the manifest does not list) only the footer is checked."""
+    name = entry["file"] if entry is not None else file
+    path = folder / name
+    problems = shard_file_problems(path, entry, checksum=checksum, marker=marker) if entry is not None else []
     if not path.is_file():
-        return None, "missing"
-    size = path.stat().st_size
-    if size != entry.get("bytes"):
-        return None, f"size {size} bytes, the manifest recorded {entry.get('bytes')} (truncated or replaced)"
+        return ShardCheck(problems or [(name, "missing")])
     try:
         meta = read_shard_metadata(path)
         parquet_meta = pq.ParquetFile(path).metadata
-    except Exception as exc:  # ContractError, or pyarrow's errors on a damaged footer
-        return None, f"unreadable footer or schema ({exc})"
-    diffs = shard_identity_differences(meta[META_IDENTITY], {"identity": folder.identity,
-                                                             "adopted_from": folder.adopted_from})
-    if diffs:
-        return None, "scored with another identity than its folder's manifest: " + "; ".join(diffs[:5])
-    if parquet_meta.num_rows != entry.get("rows"):
-        return None, f"{parquet_meta.num_rows} rows, the manifest recorded {entry.get('rows')}"
-    if verify == "sha256" and file_sha256(path) != entry.get("sha256"):
-        return None, "sha256 differs from the manifest (corrupted)"
+    except ContractError as exc:
+        return ShardCheck(problems + [(name, str(exc).replace(f"{path}: ", ""))])
+    except Exception as exc:  # pyarrow's errors on a footer that reads as a schema but not in full
+        return ShardCheck(problems + [(name, f"unreadable footer ({type(exc).__name__}: {exc})")])
+    if manifest.get("identity"):
+        diffs = shard_identity_differences(meta[META_IDENTITY], manifest)
+        if diffs:
+            problems.append((name, "identity differs from the manifest: " + "; ".join(diffs)))
+    if entry is not None and meta[META_SHARD].get("index") != entry.get("index"):
+        index = meta[META_SHARD].get("index")
+        problems.append((name, f"metadata shard index {index!r}, manifest entry {entry.get('index')!r}"))
+    if entry is not None and parquet_meta.num_rows != entry.get("rows"):
+        problems.append((name, f"{parquet_meta.num_rows} rows, manifest says {entry.get('rows')}"))
     groups = tuple(parquet_meta.row_group(i).num_rows for i in range(parquet_meta.num_row_groups))
-    return ShardInfo(path=path, folder=index, rows=parquet_meta.num_rows, sha256=entry.get("sha256", ""),
-                     row_group_rows=groups), None
+    return ShardCheck(problems, meta=meta, rows=parquet_meta.num_rows, row_group_rows=groups)
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,12 +484,3 @@ class _DecodedGroup:
                    starts=values["starts"][0].astype(np.int32, copy=False),
                    ends=values["ends"][0].astype(np.int32, copy=False),
                    losses=values["losses"][0].astype(np.float32, copy=False))
-
-
-def list_column_values(table: pa.Table, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(values, offsets)`` of a list column as NumPy arrays (views where Arrow allows): row ``r``
-    holds ``values[offsets[r] : offsets[r + 1]]`` (``values`` is the whole child array, so this
-    holds for a sliced column too)."""
-    array = table.column(column).combine_chunks()
-    return array.values.to_numpy(zero_copy_only=False), array.offsets.to_numpy()
-

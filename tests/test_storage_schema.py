@@ -53,7 +53,7 @@ def test_check_rows_reports_each_broken_invariant():
     ])
     problems = check_rows(bad, "f.parquet")
     assert len(problems) == 3
-    assert "d:0" in problems[0] and "outside text" in problems[0]
+    assert "d:0" in problems[0] and "outside the text" in problems[0]
     assert "d:1" in problems[1] and "decrease" in problems[1]
     assert "d:2" in problems[2] and "infinite" in problems[2]
 

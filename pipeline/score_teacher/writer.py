@@ -7,7 +7,7 @@
   done) and rewritten from the markers as shards finish; readers use the shards it lists.
 * A folder scored with another identity (teacher, tokenizer, window, corpus, plan) is refused with
   the list of differences, unless ``overwrite`` is set, which deletes its shards first. The identity
-  holds no paths (:mod:`storage_schemas.scored`), so a moved or copied folder is the same dataset.
+  holds no paths (:mod:`storage_schemas.identity`), so a moved or copied folder is the same dataset.
 * A folder whose manifest predates the content identity (format 1, which recorded the teacher by
   its path) is checked on everything format 1 recorded; it is refused with the one command that
   adopts the new identity (``migrate_identity``), never rescored silently.
@@ -15,72 +15,38 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
-import socket
 import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
-
-from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.folder_lock import LOCK_NAME, DatasetBusyError, exclusive_writer  # noqa: F401  (re-exported)
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from storage_schemas import (
     IDENTITY_FORMAT,
     MANIFEST_NAME,
     ROW_SCHEMA,
     SCHEMA_VERSION,
+    SHARD_RE,
     file_sha256,
     identity_format,
     marker_name,
     schema_with_metadata,
+    iter_identity_differences,
     shard_name,
     write_json_atomic,
 )
-from storage_schemas.scored import SHARD_RE, iter_identity_differences
 
 
 class DatasetMismatchError(RuntimeError):
     """The output folder holds a dataset scored with another identity."""
-
-
-class DatasetBusyError(RuntimeError):
-    """Another job is writing the same folder (a scored dataset or a training run)."""
-
-
-LOCK_NAME = ".lock"
-
-
-@contextlib.contextmanager
-def exclusive_writer(folder: str | os.PathLike, what: str = "scoring job"):
-    """Hold an exclusive lock on ``folder`` (created if missing) for one job's lifetime; ``what``
-    names the kind of job in the refusal (``another scoring job is writing ...``).
-
-    ``flock`` is released by the kernel when the holder dies, even on SIGKILL, so a crashed job
-    never blocks the rerun. (On network filesystems without ``flock`` support the lock may be
-    advisory only: do not point two jobs at one folder there.)
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            raise DatasetBusyError(f"{folder}: another {what} is writing this folder ({holder})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,9 +60,8 @@ class StorageConfig:
     ``encodings="compact"`` uses Parquet's DELTA_BINARY_PACKED for offsets and BYTE_STREAM_SPLIT
     for ids and losses. ``loss_precision`` rounds losses to bfloat16 or float16 precision before
     they are stored as float32: the dropped mantissa bits compress to nearly nothing. Rounding
-    changes the stored values, so it is part of the dataset's identity; the encodings are not.
-    Bytes per teacher token on the sample corpus: default 10.8; compact at zstd level 9 about 5;
-    compact + bfloat16 losses about 2.7 (``make bench`` has the current figures).
+    changes the stored values, so it is part of the dataset's identity; the encodings are not
+    (docs/METHOD.md §1.4). ``make bench`` measures the bytes per token of each setting.
     """
 
     compression: str = "zstd"
@@ -106,10 +71,8 @@ class StorageConfig:
 
 
 # Parquet matches column encodings on leaf paths (``starts.list.element``), and pyarrow silently
-# ignores names that match no leaf, so the paths are spelled out in full.
-# Measured per teacher token on a sample shard at zstd level 9: offsets 0.95 -> 0.31 bytes with
-# DELTA_BINARY_PACKED; token ids are not monotone (delta makes them worse: 1.27), 0.42 with
-# BYTE_STREAM_SPLIT; bfloat16-rounded losses 1.24 with BYTE_STREAM_SPLIT.
+# ignores names that match no leaf, so the paths are spelled out in full. Offsets grow, so delta
+# coding suits them; token ids are not monotone and losses are floats, so their bytes are split.
 COMPACT_ENCODINGS = {
     "token_ids.list.element": "BYTE_STREAM_SPLIT",
     "starts.list.element": "DELTA_BINARY_PACKED",
@@ -136,7 +99,7 @@ def _parquet_options(storage: StorageConfig) -> dict:
     if storage.encodings == "compact":
         options.update(use_dictionary=["doc_id"], column_encoding=COMPACT_ENCODINGS)
         if storage.compression_level is None and storage.compression == "zstd":
-            options["compression_level"] = 9  # 3.0 -> 2.7 bytes/token with bfloat16 losses
+            options["compression_level"] = 9  # compact storage trades write time for size
     elif storage.encodings != "default":
         raise ValueError(f"unknown encodings {storage.encodings!r}; choose default or compact")
     return options

@@ -1,0 +1,126 @@
+"""Where a scored dataset lives and what its folder holds (docs/METHOD.md §1.4, §1.5)::
+
+    <root>/<corpus>/<teacher>/v<SCHEMA_VERSION>/     dataset_dir(root, corpus, teacher)
+      manifest.json              the dataset's identity, its shards and their checksums
+      shard-000000.parquet       one row per document (storage_schemas.schema)
+      shard-000000.done.json     completion marker: written after the shard was renamed into place
+
+A shard without a marker is unfinished and never listed in the manifest; readers use the shards the
+manifest lists. :func:`shard_file_problems` is the one check of a shard file against its entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from storage_schemas.schema import SCHEMA_VERSION, ContractError
+
+MANIFEST_NAME = "manifest.json"
+SHARD_RE = re.compile(r"^shard-(\d{6})\.parquet$")
+MARKER_SUFFIX = ".done.json"
+
+
+def dataset_dir(root: str | os.PathLike, corpus: str, teacher: str) -> Path:
+    """The folder of the dataset of ``corpus`` scored by ``teacher`` under ``root``; the last part
+    names the schema version, so data of another version never shares a folder."""
+    return Path(root) / corpus / teacher / f"v{SCHEMA_VERSION}"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.parquet"
+
+
+def marker_name(index: int) -> str:
+    return f"shard-{index:06d}{MARKER_SUFFIX}"
+
+
+def marker_of(shard_file: str) -> str:
+    """The marker's name for a shard file name (``shard-000003.parquet`` -> ``shard-000003.done.json``)."""
+    return shard_file.removesuffix(".parquet") + MARKER_SUFFIX
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
+    path = Path(folder) / MANIFEST_NAME
+    if not path.is_file():
+        raise ContractError(f"{folder}: no {MANIFEST_NAME}; not a scored dataset (or scoring never started)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ContractError(f"{path}: not valid JSON ({exc})") from exc
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ContractError(
+            f"{path}: schema version {manifest.get('schema_version')!r}, this code reads version {SCHEMA_VERSION}"
+        )
+    for entry in manifest.get("shards", []):
+        name = entry.get("file", "")
+        if not SHARD_RE.match(name):  # plain file names only: nothing can point outside the folder
+            raise ContractError(f"{path}: shard entry {name!r} is not a shard file name of this folder")
+    return manifest
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON under a temporary name, fsync, then rename: readers see the old or the new file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def complete_shard_files(folder: str | os.PathLike) -> list[Path]:
+    """The shard files a reader may use: those listed in the manifest, in order."""
+    manifest = read_manifest(folder)
+    return [Path(folder) / e["file"] for e in manifest["shards"]]
+
+
+def shard_file_problems(path: Path, entry: dict, *, checksum: bool, marker: bool = False) -> list[tuple[str, str]]:
+    """Every way the file ``path`` disagrees with its manifest ``entry``, as ``(file name, problem)``
+    pairs: missing, size, and with ``checksum`` its sha256; with ``marker`` also its completion
+    marker, which must equal the entry (but for the seconds it took). The footer, identity and row
+    count need the file's metadata: :func:`storage_schemas.reader.shard_problems` adds them."""
+    name = path.name
+    if not path.is_file():
+        return [(name, "listed in the manifest but missing from the folder")]
+    problems = []
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        problems.append((name, f"{size} bytes on disk, manifest says {entry.get('bytes')} (truncated or rewritten)"))
+    if checksum:
+        digest = file_sha256(path)
+        if digest != entry.get("sha256"):
+            said = str(entry.get("sha256"))[:16]
+            problems.append((name, f"checksum mismatch: sha256 {digest[:16]}..., manifest says {said}..."))
+    if marker:
+        problems += _marker_problems(path, entry)
+    return problems
+
+
+def _marker_problems(path: Path, entry: dict) -> list[tuple[str, str]]:
+    index = entry.get("index")
+    done = path.with_name(marker_name(index)) if isinstance(index, int) else None
+    if done is None or not done.is_file():
+        return [(path.name, "no completion marker (.done.json) for a listed shard")]
+    try:
+        on_disk = json.loads(done.read_text())
+    except json.JSONDecodeError as exc:
+        return [(done.name, f"unreadable marker ({exc})")]
+    differ = sorted(k for k in set(on_disk) | set(entry) if k != "seconds" and on_disk.get(k) != entry.get(k))
+    if differ:
+        return [(done.name, f"marker differs from the manifest entry in {', '.join(differ)}")]
+    return []
