@@ -20,7 +20,7 @@ from pipeline.inspection.align_report import (
     align_record,
     align_report,
 )
-from pipeline.inspection.dataset import ScoredDataset
+from storage_schemas.reader import ScoredDataset
 from pipeline.tokenization import encode
 
 CHUNKS = (1, 3, 16)
@@ -132,7 +132,7 @@ def test_report_totals_and_aligned_parquet(micro_scored, student, tmp_path):
 def test_identical_tokenizers_align_one_to_one_and_chunks_do_not(micro_corpus, real_tokenizer, tmp_path):
     """Teacher = student (Mistral), every loss finite: token-level IoS and IoU are 1, every token is
     mapped; chunks keep IoS at 1 (each token starts in the chunk of its twin) but their IoU grows
-    with the chunk count and stays below the token level's (METHOD 2.2's ablation)."""
+    with the chunk count and stays below the token level's (the ablation of docs/METHOD.md §2.3)."""
     from pipeline.lab.embedded.sample_corpus import clean_texts
     from pipeline.score_teacher.writer import write_manifest, write_shard
     from pipeline.score_teacher.teacher import ScoredDocument, ShardResult

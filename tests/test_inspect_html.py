@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.inspection.align_report import align_record
-from pipeline.inspection.dataset import DocumentRecord
+from storage_schemas.reader import DocumentRecord
 from pipeline.inspection.html import StudentView, document_section, page
 from pipeline.inspection.layout import PALETTE, LossScale, cut_pieces
 from pipeline.tokenization import encode

@@ -24,7 +24,7 @@ SMALL, LARGE = 4, 32  # shards
 CHILD = r"""
 import json, sys
 from pathlib import Path
-from pipeline.inspection.dataset import ScoredDataset
+from storage_schemas.reader import ScoredDataset
 from pipeline.inspection.summary import summarize
 from pipeline.inspection.validate import validate_dataset
 

@@ -117,7 +117,7 @@ def test_terminal_output_never_reads_data_as_markup():
     """Doc ids and token text such as ``[/math]`` print literally (rich would parse them as tags)."""
     import numpy as np
 
-    from pipeline.inspection.dataset import DocumentRecord
+    from storage_schemas.reader import DocumentRecord
     from pipeline.inspection.layout import LossScale
     from pipeline.inspection.terminal import document_table, document_text
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.inspection.dataset import DocumentNotFoundError, ScoredDataset
+from storage_schemas.reader import DocumentNotFoundError, ScoredDataset
 from pipeline.inspection.summary import LossHistogram, summarize
 from pipeline.score_teacher.teacher import SKIP_REASONS
 from storage_schemas import read_manifest

@@ -1,10 +1,11 @@
-"""Looking into a scored dataset (issue #4): summary, validation, vocabulary overlap, alignment
-report, HTML and PNG pictures. Library code only (no Hydra); ``stages/inspect.py`` is the entry
-point.
+"""Looking into a scored dataset: summary, validation, vocabulary overlap, alignment report, HTML
+and PNG pictures. Library code only (no Hydra); ``stages/inspect.py`` composes the config and calls
+:mod:`~pipeline.inspection.commands`. Every module reads the data through the contract's one reader,
+:class:`storage_schemas.reader.ScoredDataset`.
 
 Modules, in the order a user meets them:
 
-* :mod:`~pipeline.inspection.dataset`: open a scored folder, scan its shards lazily with Polars;
+* :mod:`~pipeline.inspection.commands`: the ``make inspect`` commands, one function each;
 * :mod:`~pipeline.inspection.summary`: documents, tokens, bytes per token, loss quantiles (from a
   streamed histogram), NaN share, skipped documents, per-shard table, extreme documents;
 * :mod:`~pipeline.inspection.validate`: every invariant of the data contract, every problem listed;

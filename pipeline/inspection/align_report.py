@@ -8,7 +8,7 @@ aligned with :mod:`pipeline.train_student.align`, exactly as training will do it
 * IoS per student token (share of its characters covered by its mapped teacher tokens, from
   :func:`pipeline.train_student.align.alignment_quality`) and IoU per student token,
   ``|chars(i) ∩ chars(A(i))| / |chars(i) ∪ chars(A(i))|``, averaged over mapped tokens; also the
-  document-level IoU of METHOD 2.1 (character sets of all mapped student tokens and their
+  document-level IoU of docs/METHOD.md §2.1 (character sets of all mapped student tokens and their
   teacher tokens);
 * teacher tokens per student token ``|A(i)|`` (and student tokens per teacher token), as counts
   of 0, 1, ..., 7 and 8 or more;
@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.train_student.align import align_document, align_spans, alignment_quality, chunk_align, chunk_ids, overlap_pairs
-from pipeline.inspection.dataset import DocumentRecord, ScoredDataset
+from storage_schemas.reader import DocumentRecord, ScoredDataset
 from pipeline.score_teacher.writer import list_array  # the stage-1 writer's list-column builder
 from pipeline.tokenization import Encoding, encode_batch, fingerprint
 
@@ -83,7 +83,7 @@ class AlignedDocument:
     teacher_hi: np.ndarray  # (N,) int64
     teacher_loss: np.ndarray  # (N,) float32, aggregated over A(i); NaN if unmapped
     token: TokenQuality
-    doc_iou: float  # METHOD 2.1 document-level IoU of the character sets
+    doc_iou: float  # document-level IoU (docs/METHOD.md §2.1) of the character sets
     fanout: np.ndarray  # (N,) |A(i)|
     fanin: np.ndarray  # (M,) student tokens per teacher token
     chunks: dict[int, TokenQuality] = field(default_factory=dict)
@@ -329,7 +329,7 @@ def align_report(
 
 def _aligned_metadata(dataset: ScoredDataset, tokenizer, student: str, how: str) -> dict[bytes, bytes]:
     meta = {"student": student, "student_tokenizer_sha256": fingerprint(tokenizer), "aggregation": how,
-            "dataset": str(dataset.folder), "teacher_identity": dataset.identity}
+            "dataset": str(dataset.folder), "teacher_identity": dataset.folders[0].identity}
     return {META_ALIGNED.encode(): json.dumps(meta, sort_keys=True).encode()}
 
 

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.inspection.dataset import DocumentRecord
+from storage_schemas.reader import DocumentRecord
 from pipeline.inspection.layout import PALETTE, LossScale, cut_pieces
 from pipeline.tokenization import Encoding
 

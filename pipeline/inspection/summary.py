@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from pipeline.inspection.dataset import ENGINE, ScoredDataset
 from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
+from storage_schemas.reader import ScoredDataset
+
+ENGINE = "streaming"  # polars' streaming engine: bounded memory for scans, explodes and group-bys
 
 DEFAULT_QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
 DEFAULT_BIN_WIDTH = 1.0 / 128  # a power of two: bin edges are exact in float32
@@ -278,7 +280,7 @@ def summarize(
         lowest=lowest.sort("mean_loss"),
         histogram=histogram,
         min_tokens=min_tokens,
-        teacher=dataset.teacher,
+        teacher=dataset.teacher.get("teacher") or {},
     )
 
 

@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipeline.inspection.align_report import AlignReport
-from pipeline.inspection.dataset import DocumentRecord
+from storage_schemas.reader import DocumentRecord
 from pipeline.inspection.layout import LossScale, cut_pieces
 from pipeline.inspection.summary import DatasetSummary
 from pipeline.inspection.validate import ValidationReport
@@ -162,7 +162,7 @@ def align_renderables(r: AlignReport) -> list:
                    f"({d['teacher_tokens'] / max(d['student_tokens'], 1):.3f} teacher per student)"),
         ("mapped share", f"{_pct(tok['mapped_share'])} of student tokens (aggregation {r.how})"),
         ("IoS (token level)", f"mean {tok['ios_mean']:.4f}; {_pct(tok['ios_full_share'])} of mapped tokens fully covered"),
-        ("IoU (token level)", f"per token mean {tok['iou_mean']:.4f}; per document (METHOD 2.1) mean {tok['doc_iou_mean']:.4f}"),
+        ("IoU (token level)", f"per token mean {tok['iou_mean']:.4f}; per document mean {tok['doc_iou_mean']:.4f}"),
         ("teacher tokens per student token", ", ".join(f"{k}: {v:,}" for k, v in d["teacher_per_student"].items())
          + f" (mean {d['mean_teacher_per_mapped_student']:.3f} over mapped)"),
         ("student tokens per teacher token", ", ".join(f"{k}: {v:,}" for k, v in d["student_per_teacher"].items())),

@@ -16,7 +16,7 @@ Each listed shard
     schema; its identity equal to the manifest's (or, for a shard written before the folder's
     identity was migrated, to the one it was adopted from), its shard index equal to its entry's;
     as many rows and tokens as the entry says.
-Each row (vectorised with Polars to find the rows, then numpy on those rows for the message)
+Each row (:func:`storage_schemas.rows.table_problems`, one row group at a time)
     ``doc_id`` non-empty and unique in the dataset; the four lists of equal length; every span
     inside the text (``0 <= start <= end <= len(text)``), starts non-decreasing, text slices
     non-empty except for ``special_ids``; token ids in ``[0, vocab_size)`` when the identity gives
@@ -24,8 +24,9 @@ Each row (vectorised with Polars to find the rows, then numpy on those rows for 
     Warnings: a NaN loss past the first token (every later token has left context), the first
     token's loss NaN although a BOS preceded it, or finite although none did.
 
-Memory: one shard's flags (a few integers per row) at a time, plus one 64-bit hash per document
-for the uniqueness check; checksums are streamed.
+The file checks are the reader's (:func:`storage_schemas.reader.shard_problems`) and the row checks
+the contract's; this module adds what needs the whole folder. Memory: one row group at a time, plus
+one 64-bit hash per document for the uniqueness check; checksums are streamed (docs/METHOD.md §1.4).
 """
 
 from __future__ import annotations
@@ -37,25 +38,20 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-import polars as pl
+import pyarrow.parquet as pq
 
-from pipeline.inspection.dataset import ENGINE
 from storage_schemas import (
     MANIFEST_NAME,
-    META_IDENTITY,
-    META_SHARD,
-        ContractError,
-    file_sha256,
-    marker_name,
+    SHARD_RE,
+    ContractError,
+    RowRules,
+    marker_of,
     read_manifest,
-    read_shard_metadata,
     shard_name,
+    table_problems,
 )
-from storage_schemas.scored import SHARD_RE, shard_identity_differences
-
-ERROR = "error"
-WARNING = "warning"
-NEGATIVE_LOSS_TOLERANCE = -1e-4  # -log p >= 0; allow float rounding just below zero
+from storage_schemas.reader import shard_problems
+from storage_schemas.rows import ERROR, WARNING, list_column_values
 
 
 @dataclass(frozen=True)
@@ -110,11 +106,11 @@ def validate_dataset(
     entries = _listed_entries(folder, manifest, problems)
     _check_folder_files(folder, entries, problems)
     identity = (manifest or {}).get("identity") or {}
-    rules = _RowRules.from_identity(identity, special_ids)
+    rules = RowRules.from_identity(identity, special_ids)
     rows = 0
-    hashes: list[pl.DataFrame] = []
+    hashes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, entry in entries.items():
-        rows += _check_shard(folder / name, entry, manifest or {}, rules, checksums, problems, hashes)
+        rows += _check_shard(folder, name, entry, manifest or {}, rules, checksums, problems, hashes)
     _check_unique_ids(folder, hashes, problems)
     return ValidationReport(str(folder), problems, shards_checked=len(entries), rows_checked=rows)
 
@@ -185,7 +181,7 @@ def _check_folder_files(folder: Path, entries: dict[str, dict | None], problems:
     for path in sorted(folder.iterdir()):
         name = path.name
         if SHARD_RE.match(name) and name not in entries:
-            marker = folder / name.replace(".parquet", ".done.json")
+            marker = folder / marker_of(name)
             state = "finished (it has a marker): rerun score-teacher to rewrite the manifest" if marker.exists() \
                 else "unfinished (no marker): a rerun of score-teacher redoes it"
             problems.append(Problem(ERROR, name, f"shard missing from the manifest; {state}"))
@@ -203,187 +199,59 @@ def _check_folder_files(folder: Path, entries: dict[str, dict | None], problems:
 
 
 def _check_shard(
-    path: Path, entry: dict | None, manifest: dict, rules: "_RowRules", checksums: bool,
-    problems: list[Problem], hashes: list[pl.DataFrame],
+    folder: Path, name: str, entry: dict | None, manifest: dict, rules: RowRules, checksums: bool,
+    problems: list[Problem], hashes: dict[str, tuple[np.ndarray, np.ndarray]],
 ) -> int:
     """Check one shard (file, metadata, rows); returns the number of rows read."""
-    name = path.name
-    if not path.is_file():
-        problems.append(Problem(ERROR, name, "listed in the manifest but missing from the folder"))
+    check = shard_problems(folder, entry, manifest, checksum=checksums, marker=True, file=name)
+    problems.extend(Problem(ERROR, file, message) for file, message in check.problems)
+    if check.meta is None:
         return 0
-    if entry is not None:
-        _check_file_against_entry(path, entry, checksums, problems)
+    rows = tokens = 0
+    ids_hashed, ids_rows = [], []
     try:
-        meta = read_shard_metadata(path)
-    except ContractError as exc:
-        problems.append(Problem(ERROR, name, str(exc).replace(f"{path}: ", "")))
-        return 0
-    if manifest.get("identity"):
-        diffs = shard_identity_differences(meta[META_IDENTITY], manifest)
-        if diffs:
-            problems.append(Problem(ERROR, name, "identity differs from the manifest: " + "; ".join(diffs)))
-    if entry is not None and meta[META_SHARD].get("index") != entry.get("index"):
-        index = meta[META_SHARD].get("index")
-        problems.append(Problem(ERROR, name, f"metadata shard index {index!r}, manifest entry {entry.get('index')!r}"))
-    try:
-        return _check_rows(path, entry, rules, problems, hashes)
-    except pl.exceptions.PolarsError as exc:  # a file whose footer reads but whose pages do not
+        shard = pq.ParquetFile(folder / name)
+        for group in range(shard.num_row_groups):
+            table = shard.read_row_group(group)
+            problems.extend(Problem(p.severity, name, p.message, row=p.row, doc_id=p.doc_id)
+                            for p in table_problems(table, rules, first_row=rows))
+            doc_ids = table.column("doc_id").to_pylist()
+            present = [r for r, d in enumerate(doc_ids) if d]  # empty ids are reported as such
+            ids_hashed.append(np.fromiter((hash(doc_ids[r]) for r in present), np.int64, len(present)))
+            ids_rows.append(np.asarray(present, np.int64) + rows)
+            tokens += int(np.diff(list_column_values(table, "token_ids")[1]).sum())
+            rows += table.num_rows
+    except Exception as exc:  # a file whose footer reads but whose pages do not
         problems.append(Problem(ERROR, name, f"rows unreadable: {type(exc).__name__}: {str(exc).splitlines()[0]}"))
-        return 0
-
-
-def _check_file_against_entry(path: Path, entry: dict, checksums: bool, problems: list[Problem]) -> None:
-    name = path.name
-    size = path.stat().st_size
-    if size != entry.get("bytes"):
-        problems.append(Problem(ERROR, name, f"{size} bytes on disk, manifest says {entry.get('bytes')} "
-                                             "(truncated or rewritten)"))
-    if checksums:
-        digest = file_sha256(path)
-        if digest != entry.get("sha256"):
-            said = str(entry.get("sha256"))[:16]
-            problems.append(Problem(ERROR, name, f"checksum mismatch: sha256 {digest[:16]}..., manifest says {said}..."))
-    marker = path.with_name(marker_name(entry["index"])) if isinstance(entry.get("index"), int) else None
-    if marker is None or not marker.is_file():
-        problems.append(Problem(ERROR, name, "no completion marker (.done.json) for a listed shard"))
-        return
-    try:
-        on_disk = json.loads(marker.read_text())
-    except json.JSONDecodeError as exc:
-        problems.append(Problem(ERROR, marker.name, f"unreadable marker ({exc})"))
-        return
-    differ = sorted(k for k in set(on_disk) | set(entry) if k != "seconds" and on_disk.get(k) != entry.get(k))
-    if differ:
-        problems.append(Problem(ERROR, marker.name, f"marker differs from the manifest entry in {', '.join(differ)}"))
-
-
-@dataclass(frozen=True)
-class _RowRules:
-    vocab_size: int | None
-    bos: bool | None  # True: a BOS preceded every document; None: unknown
-    special_ids: frozenset[int]
-
-    @classmethod
-    def from_identity(cls, identity: dict, special_ids: Iterable[int]) -> "_RowRules":
-        teacher = identity.get("teacher") or {}
-        vocab = teacher.get("vocab_size")
-        bos = (teacher["bos_id"] is not None) if "bos_id" in teacher else None
-        return cls(vocab_size=vocab if isinstance(vocab, int) else None, bos=bos, special_ids=frozenset(special_ids))
-
-
-def _row_facts(path: Path) -> pl.LazyFrame:
-    """Per row: what is checked for every row whatever its lists hold."""
-    n = pl.col("token_ids").list.len()
-    same = (pl.col("starts").list.len() == n) & (pl.col("ends").list.len() == n) & (pl.col("losses").list.len() == n)
-    return pl.scan_parquet(str(path)).with_row_index("row").select(
-        "row", same_lengths=same, tokens=n.cast(pl.Int64), id_hash=pl.col("doc_id").hash(),
-        bad_id=pl.col("doc_id").is_null() | (pl.col("doc_id") == ""), null_text=pl.col("text").is_null(),
-    )
-
-
-def _suspect_rows(path: Path, rules: _RowRules) -> pl.LazyFrame:
-    """Rows with equal list lengths that break a span, id or loss rule (a superset, checked again
-    one by one in :func:`row_problems` for the message)."""
-    n = pl.col("token_ids").list.len()
-    same = (pl.col("starts").list.len() == n) & (pl.col("ends").list.len() == n) & (pl.col("losses").list.len() == n)
-    width = pl.col("ends") - pl.col("starts")  # list arithmetic: rows with equal lengths only (filter first)
-    finite = pl.col("losses").list.eval(pl.element().filter(pl.element().is_finite()))
-    suspect = (
-        (pl.col("starts").list.min() < 0)
-        | (pl.col("ends").list.max() > pl.col("text").str.len_chars())
-        | (width.list.min() <= 0)
-        | (pl.col("starts").list.diff().list.min() < 0)
-        | (pl.col("token_ids").list.min() < 0)
-        | pl.col("losses").list.eval(pl.element().is_infinite()).list.any()
-        | (finite.list.min() < NEGATIVE_LOSS_TOLERANCE)
-        | pl.col("losses").list.slice(1).list.eval(pl.element().is_nan()).list.any()
-    )
-    if rules.vocab_size is not None:
-        suspect = suspect | (pl.col("token_ids").list.max() >= rules.vocab_size)
-    if rules.bos is not None:
-        first_nan = pl.col("losses").list.first().is_nan()
-        suspect = suspect | (first_nan if rules.bos else ~first_nan)
-    frame = pl.scan_parquet(str(path)).with_row_index("row").filter(same & pl.col("text").is_not_null())
-    return frame.filter(suspect.fill_null(False)).select("row")
-
-
-def _check_rows(path: Path, entry: dict | None, rules: _RowRules, problems: list[Problem], hashes: list[pl.DataFrame]) -> int:
-    name = path.name
-    facts, suspects = pl.collect_all([_row_facts(path), _suspect_rows(path, rules)], engine=ENGINE)
-    hashes.append(facts.select("id_hash", "row", file=pl.lit(name)))
-    if entry is not None and facts.height != entry.get("rows"):
-        problems.append(Problem(ERROR, name, f"{facts.height} rows, manifest says {entry.get('rows')}"))
-    tokens = int(facts["tokens"].sum())
+        return rows
+    hashes[name] = (np.concatenate(ids_hashed or [np.zeros(0, np.int64)]), np.concatenate(ids_rows or [np.zeros(0, np.int64)]))
     if entry is not None and tokens != entry.get("tokens"):
         problems.append(Problem(ERROR, name, f"{tokens} tokens, manifest says {entry.get('tokens')}"))
-    for row in facts.filter(pl.col("bad_id"))["row"].to_list():
-        problems.append(Problem(ERROR, name, "empty or null doc_id", row=row))
-    for row in facts.filter(pl.col("null_text"))["row"].to_list():
-        problems.append(Problem(ERROR, name, "null text", row=row))
-    rows = sorted(set(suspects["row"].to_list()) | set(facts.filter(~pl.col("same_lengths"))["row"].to_list()))
-    if rows:
-        detail = pl.scan_parquet(str(path)).with_row_index("row").filter(pl.col("row").is_in(rows)).collect()
-        for record in detail.iter_rows(named=True):
-            problems.extend(row_problems(record, rules, name))
-    return facts.height
+    return rows
 
 
-def row_problems(record: dict, rules: _RowRules, file: str) -> list[Problem]:
-    """Every contract problem of one row (a dict with the row schema's columns and ``row``)."""
-    where = dict(file=file, row=record["row"], doc_id=record["doc_id"])
-    lists = {c: record[c] for c in ("token_ids", "starts", "ends", "losses")}
-    lengths = {c: len(v) for c, v in lists.items()}
-    if len(set(lengths.values())) > 1:
-        return [Problem(ERROR, message=f"list lengths differ: {lengths}", **where)]
-    ids = np.asarray(lists["token_ids"], dtype=np.int64)
-    starts = np.asarray(lists["starts"], dtype=np.int64)
-    ends = np.asarray(lists["ends"], dtype=np.int64)
-    losses = np.asarray(lists["losses"], dtype=np.float64)
-    text_len = len(record["text"] or "")
-    found: list[tuple[str, str, np.ndarray]] = [
-        (ERROR, f"span outside the text of length {text_len}", (starts < 0) | (ends > text_len)),
-        (ERROR, "span ends before it starts", ends < starts),
-        (ERROR, "starts decrease", np.r_[False, np.diff(starts) < 0]),
-        (ERROR, "empty text slice for a non-special token", (ends == starts) & ~np.isin(ids, list(rules.special_ids))),
-        (ERROR, "infinite loss (NaN is allowed, inf is not)", np.isinf(losses)),
-        (ERROR, "negative loss (-log p cannot be negative)", losses < NEGATIVE_LOSS_TOLERANCE),
-        (ERROR, "token id outside the teacher vocabulary", (ids < 0) | (ids >= (rules.vocab_size or np.iinfo(np.int64).max))),
-        (WARNING, "NaN loss past the first token (every later token has left context)", np.r_[False, np.isnan(losses[1:])]),
-    ]
-    if rules.bos is not None and ids.size:
-        first = np.zeros(ids.size, dtype=bool)
-        first[0] = np.isnan(losses[0]) if rules.bos else not np.isnan(losses[0])
-        what = ("NaN although a BOS preceded it" if rules.bos
-                else "finite although no BOS preceded it (store NaN, never a made-up value)")
-        found.append((WARNING, f"first token's loss {what}", first))
-    out = []
-    for severity, what, mask in found:
-        bad = np.flatnonzero(mask)
-        if bad.size:
-            k = int(bad[0])
-            example = f"token {k}: id {ids[k]}, span ({starts[k]},{ends[k]}), loss {losses[k]:.4g}"
-            more = f" ({bad.size} tokens; first: {example})" if bad.size > 1 else f" ({example})"
-            out.append(Problem(severity, message=what + more, **where))
-    return out
-
-
-def _check_unique_ids(folder: Path, hashes: list[pl.DataFrame], problems: list[Problem]) -> None:
+def _check_unique_ids(folder: Path, hashes: dict[str, tuple[np.ndarray, np.ndarray]], problems: list[Problem]) -> None:
     """Duplicate ``doc_id``s: equal 64-bit hashes first, then the ids themselves (no false alarm
     on a hash collision)."""
     if not hashes:
         return
-    table = pl.concat(hashes)
-    candidates = table.filter(pl.col("id_hash").is_duplicated())
-    if candidates.height == 0:
+    every = np.concatenate([h for h, _ in hashes.values()])
+    values, counts = np.unique(every, return_counts=True)
+    repeated = values[counts > 1]
+    if not repeated.size:
         return
-    found = []
-    for (file,), group in candidates.group_by("file", maintain_order=True):
-        rows = group["row"].to_list()
-        frame = pl.scan_parquet(str(folder / file)).with_row_index("row").filter(pl.col("row").is_in(rows))
-        found.append(frame.select("row", "doc_id", file=pl.lit(file)).collect())
-    dupes = pl.concat(found).filter(pl.col("doc_id").is_duplicated())
-    for row, doc_id, file in dupes.iter_rows():
-        problems.append(Problem(ERROR, file, "doc_id is not unique in the dataset", row=row, doc_id=doc_id))
+    candidates: list[tuple[str, int, str]] = []  # (file, row, doc_id)
+    for file, (hashed, rows) in hashes.items():
+        picked = rows[np.isin(hashed, repeated)]
+        if picked.size:
+            doc_ids = pq.read_table(folder / file, columns=["doc_id"]).column("doc_id").take(picked).to_pylist()
+            candidates += [(file, int(r), d) for r, d in zip(picked.tolist(), doc_ids)]
+    seen: dict[str, int] = {}
+    for _, _, doc_id in candidates:
+        seen[doc_id] = seen.get(doc_id, 0) + 1
+    for file, row, doc_id in candidates:
+        if seen[doc_id] > 1:
+            problems.append(Problem(ERROR, file, "doc_id is not unique in the dataset", row=row, doc_id=doc_id))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""How much of two vocabularies is the same (METHOD section 3), raw and normalised.
+"""How much of two vocabularies is the same (docs/METHOD.md §3.2), raw and normalised.
 
 What is compared
     The tokenizer *model's* vocabulary (the learned BPE/Unigram/WordPiece tokens, byte tokens such

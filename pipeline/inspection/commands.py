@@ -1,0 +1,334 @@
+"""The inspection commands behind ``make inspect`` (``command=``), one function each, on a config
+composed from ``conf/inspect/inspect.yaml``. :func:`config_problems` lists what is wrong with a
+config, all at once; :func:`run` runs the command and returns the exit status (1: validation found
+errors). The stage only composes and checks the config.
+
+Commands (``command=``):
+
+* ``summary`` (default), ``path=<dataset>``: documents, tokens, bytes per token, loss quantiles and
+  mean, NaN share, skipped documents by reason, a per-shard table, the highest- and lowest-loss
+  documents, one document coloured by loss (``doc=<doc_id>`` or the first one). Writes
+  ``summary.json``.
+* ``validate``, ``path=<dataset>``: every contract invariant over every shard; prints every problem
+  (file, row, document), writes ``validation.json`` and exits with status 1 if any is an error.
+* ``vocab-overlap``, ``teacher=T student=S`` (Hydra keys cannot start with ``--``): raw and
+  normalised vocabulary overlap (docs/METHOD.md §3.2). ``teacher`` defaults to the dataset's
+  teacher tokenizer when ``path`` is given.
+* ``align-report``, ``path=<dataset> student=S``: mapped share, IoS, IoU, teacher tokens per student
+  token, chunk-level comparison (docs/METHOD.md §2.1, §2.3); ``align.write_aligned=true`` writes the aligned student tokens.
+* ``html``, ``path=<dataset> [student=S] [doc=<doc_id>]``: a self-contained page of documents
+  coloured by teacher loss with the student token boundaries.
+* ``plots``, ``path=<dataset> [student=S]``: PNG loss histogram; with a student also the mapped
+  share, teacher tokens per student token and chunk-level IoU/IoS against the chunk count.
+
+Outputs go to ``out_dir`` (default ``<dataset>/inspect``; ``outputs/inspect/vocab-overlap`` for an
+overlap without a dataset); every file written is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.markup import escape
+
+from pipeline.train_student.align import AGGREGATIONS
+
+Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute (the stage passes Hydra's)
+
+INSPECT_DIR = "inspect"  # default output folder inside the dataset folder
+OVERLAP_OUT_DIR = "outputs/inspect/vocab-overlap"  # vocab-overlap without a dataset
+NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots")
+NEEDS_STUDENT = ("vocab-overlap", "align-report")
+
+
+def default_out_dir(folder) -> Path:
+    """Where inspection outputs go unless told otherwise: ``<dataset>/inspect``."""
+    return Path(folder) / INSPECT_DIR
+
+
+def config_problems(cfg) -> list[str]:
+    """Every problem of the configuration (an ``inspect.yaml`` composed with the user's overrides)."""
+    problems: list[str] = []
+    if cfg.command not in COMMANDS:
+        problems.append(f"command: {cfg.command!r} is not one of {', '.join(COMMANDS)}")
+    if cfg.command in NEEDS_PATH and not cfg.path:
+        problems.append(f"path: command={cfg.command} needs path=<scored dataset folder>")
+    if cfg.command in NEEDS_STUDENT and not cfg.student:
+        problems.append(f"student: command={cfg.command} needs student=<tokenizer>")
+    if cfg.command == "vocab-overlap" and not (cfg.teacher or cfg.path):
+        problems.append("teacher: command=vocab-overlap needs teacher=<tokenizer> (or path=<dataset> to use its teacher's)")
+    align = {k: cfg.align[k] for k in ("how", "chunk_counts", "limit_docs")}
+    if align["how"] not in AGGREGATIONS:
+        problems.append(f"align.how: {align['how']!r} is not one of {', '.join(AGGREGATIONS)}")
+    if not all(isinstance(n, int) and n >= 1 for n in align["chunk_counts"]):
+        problems.append(f"align.chunk_counts: {align['chunk_counts']} must be positive integers")
+    if align["limit_docs"] is not None and not (isinstance(align["limit_docs"], int) and align["limit_docs"] >= 1):
+        problems.append(f"align.limit_docs: {align['limit_docs']!r} must be null or a positive integer")
+    if not all(0.0 <= q <= 1.0 for q in cfg.summary.quantiles):
+        problems.append(f"summary.quantiles: {list(cfg.summary.quantiles)} must lie in [0, 1]")
+    if cfg.summary.bin_width <= 0:
+        problems.append(f"summary.bin_width: {cfg.summary.bin_width} must be > 0")
+    return problems
+
+
+def tokenizer_slug(source: str) -> str:
+    """A file-name-safe name for a tokenizer source: ``org/name`` -> ``org--name``,
+    ``../x/ggml-vocab-llama-spm.gguf`` -> ``ggml-vocab-llama-spm``, ``./tok/`` -> ``tok``."""
+    path = Path(source)
+    if path.suffix in (".gguf", ".model", ".json") or source.startswith(("/", ".", "~")) or path.is_dir():
+        name = re.sub(r"\.(gguf|model|json)$", "", path.name)
+    else:
+        name = source.strip("/").replace("/", "--")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "tokenizer"
+
+
+def _local(source: str | None, resolve: Resolve = Path) -> str | None:
+    """A tokenizer source made absolute when it names a local file or folder (hub ids untouched)."""
+    if source and Path(resolve(source)).exists():
+        return str(Path(resolve(source)).resolve())
+    return source
+
+
+def _jsonable(obj):
+    """NaN and infinities to null, numpy scalars to Python: strict JSON."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def write_json(path: Path, obj, console: Console) -> Path | None:
+    """Write ``obj`` as JSON; a folder that cannot be written is a warning, not a failure."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_jsonable(obj), indent=1, ensure_ascii=False) + "\n")
+    except OSError as exc:
+        problem = escape(f"could not write {path} ({exc}); set out_dir=<a writable folder>")
+        console.print(f"[yellow]{problem}[/yellow]")
+        return None
+    console.print(f"wrote {path}", markup=False)
+    return path
+
+
+class Context:
+    """What every command needs: the config, the console, the dataset and the output folder."""
+
+    def __init__(self, cfg, console: Console, resolve: Resolve = Path):
+        self.cfg = cfg
+        self.console = console
+        self.resolve = resolve
+        self.path = Path(resolve(cfg.path)).resolve() if cfg.path else None
+        if cfg.out_dir:
+            self.out_dir = Path(resolve(cfg.out_dir))
+        elif self.path is not None:
+            self.out_dir = default_out_dir(self.path)
+        else:
+            self.out_dir = Path(resolve(OVERLAP_OUT_DIR))
+        self._dataset = None
+        self._summary = None
+
+    @property
+    def dataset(self):
+        if self._dataset is None:
+            from storage_schemas.reader import ScoredDataset
+
+            self._dataset = ScoredDataset.open(self.path)
+        return self._dataset
+
+    def summary(self):
+        if self._summary is None:
+            from pipeline.inspection.summary import summarize
+
+            s = self.cfg.summary
+            self._summary = summarize(self.dataset, top_k=s.top_k, min_tokens=s.min_tokens,
+                                      quantiles=tuple(s.quantiles), bin_width=s.bin_width)
+        return self._summary
+
+    def loss_scale(self):
+        from pipeline.inspection.layout import LossScale
+
+        return LossScale.from_quantile_function(self.summary().histogram.quantile)
+
+    def student_tokenizer(self):
+        from pipeline.tokenization import load_tokenizer
+
+        return load_tokenizer(_local(self.cfg.student, self.resolve))
+
+    def align_report(self, tokenizer, write: bool):
+        from pipeline.inspection.align_report import align_report
+
+        a = self.cfg.align
+        slug = tokenizer_slug(self.cfg.student)
+        return align_report(
+            self.dataset, tokenizer, student=self.cfg.student, how=a.how, chunk_counts=tuple(a.chunk_counts),
+            limit_docs=a.limit_docs, write_dir=self.out_dir / "aligned" / slug if write else None,
+            progress=bool(self.cfg.progress),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Commands: each returns the exit status
+# --------------------------------------------------------------------------------------------
+
+
+def cmd_summary(ctx: Context) -> int:
+    from pipeline.inspection import terminal
+
+    summary = ctx.summary()
+    for item in terminal.summary_renderables(summary):
+        ctx.console.print(item)
+    if ctx.cfg.summary.show_document and summary.documents:
+        record = ctx.dataset.find_document(ctx.cfg.doc, min_tokens=0 if ctx.cfg.doc else 1)
+        scale = ctx.loss_scale()
+        where = f"({record.file} row {record.row}, {len(record):,} teacher tokens)"
+        ctx.console.print(f"\n[bold]{escape(record.doc_id)}[/bold] {where}")
+        ctx.console.print(terminal.legend(scale))
+        ctx.console.print(terminal.document_text(record, scale, ctx.cfg.summary.max_chars))
+        ctx.console.print(terminal.document_table(record))
+    write_json(ctx.out_dir / "summary.json", summary.to_dict(), ctx.console)
+    return 0
+
+
+def _special_ids(ctx: Context, manifest: dict) -> list[int]:
+    from storage_schemas.reader import teacher_tokenizer_location
+
+    setting = ctx.cfg.validate.special_ids
+    if setting != "auto":
+        return [int(i) for i in setting]
+    source = teacher_tokenizer_location(manifest)
+    if not manifest.get("identity"):
+        return []  # no manifest: validate_dataset reports it
+    if not source or not Path(source).exists():
+        ctx.console.print("[dim]validate: the teacher tokenizer is not local; every empty text slice counts as an error[/dim]")
+        return []
+    from pipeline.tokenization import load_tokenizer
+
+    return list(load_tokenizer(source).all_special_ids)
+
+
+def cmd_validate(ctx: Context) -> int:
+    from pipeline.inspection import terminal
+    from pipeline.inspection.validate import validate_dataset
+    from storage_schemas import ContractError, read_manifest
+
+    try:
+        manifest = read_manifest(ctx.path)
+    except ContractError:
+        manifest = {}  # reported by validate_dataset itself
+    report = validate_dataset(ctx.path, checksums=bool(ctx.cfg.validate.checksums), special_ids=_special_ids(ctx, manifest))
+    for item in terminal.validation_renderables(report, ctx.cfg.validate.max_lines):
+        ctx.console.print(item)
+    write_json(ctx.out_dir / "validation.json", report.to_dict(), ctx.console)
+    return 0 if report.ok else 1
+
+
+def cmd_vocab_overlap(ctx: Context) -> int:
+    from pipeline.inspection import terminal
+    from pipeline.inspection.vocab_overlap import load_vocabulary, vocab_overlap
+
+    teacher = _local(ctx.cfg.teacher, ctx.resolve) or ctx.dataset.teacher_tokenizer
+    student = _local(ctx.cfg.student, ctx.resolve)
+    overlap = vocab_overlap(load_vocabulary(teacher), load_vocabulary(student))
+    ctx.console.print(terminal.overlap_table(overlap))
+    for key, values in overlap.examples.items():
+        ctx.console.print(f"[dim]{key.replace('_', ' ')}:[/dim] " + escape(", ".join(repr(v) for v in values[:8])))
+    name = f"{tokenizer_slug(teacher)}--vs--{tokenizer_slug(student)}.json"
+    write_json(ctx.out_dir / "vocab-overlap" / name if ctx.path else ctx.out_dir / name, overlap.to_dict(), ctx.console)
+    return 0
+
+
+def cmd_align_report(ctx: Context) -> int:
+    from pipeline.inspection import terminal
+
+    report = ctx.align_report(ctx.student_tokenizer(), write=bool(ctx.cfg.align.write_aligned))
+    for item in terminal.align_renderables(report):
+        ctx.console.print(item)
+    slug = tokenizer_slug(ctx.cfg.student)
+    write_json(ctx.out_dir / "align" / f"{slug}.json", report.to_dict(), ctx.console)
+    if ctx.cfg.align.write_aligned:
+        partial = f" (first {report.documents:,} documents only: align.limit_docs)" if ctx.cfg.align.limit_docs else ""
+        ctx.console.print(f"wrote aligned student tokens to {ctx.out_dir / 'aligned' / slug}/{partial}", markup=False)
+    return 0
+
+
+def _html_documents(ctx: Context) -> list[tuple[str, object]]:
+    """(heading, record) pairs: ``doc``, or the first, highest- and lowest-loss documents."""
+    ds = ctx.dataset
+    if ctx.cfg.doc:
+        return [(ctx.cfg.doc, ds.find_document(ctx.cfg.doc, min_tokens=0))]
+    summary = ctx.summary()
+    picks = [("first document", ds.find_document(None, min_tokens=1))]
+    for label, frame in (("highest mean loss", summary.highest), ("lowest mean loss", summary.lowest)):
+        if frame.height and frame["doc_id"][0] not in {r.doc_id for _, r in picks}:
+            picks.append((label, ds.find_document(frame["doc_id"][0])))
+    return [(f"{label}: {record.doc_id}", record) for label, record in picks]
+
+
+def cmd_html(ctx: Context) -> int:
+    from pipeline.inspection.align_report import align_record
+    from pipeline.inspection.html import StudentView, document_section, page
+    from pipeline.tokenization import encode
+
+    documents = _html_documents(ctx)  # first: an unknown doc id fails before the dataset-wide pass
+    scale = ctx.loss_scale()
+    tokenizer = ctx.student_tokenizer() if ctx.cfg.student else None
+    sections = []
+    for heading, record in documents:
+        view = None
+        if tokenizer is not None:
+            encoding = encode(tokenizer, record.text)
+            aligned = align_record(record, encoding, ctx.cfg.align.how)
+            view = StudentView(ctx.cfg.student, encoding, tokenizer.convert_ids_to_tokens(encoding.ids.tolist()),
+                               aligned.teacher_loss, ctx.cfg.align.how)
+        sections.append(document_section(record, scale, view, ctx.cfg.html.max_chars, heading))
+    meta = [("dataset", f"{ctx.dataset.name} ({ctx.path})"), ("teacher", ctx.dataset.teacher_model),
+            ("student", ctx.cfg.student or "none (student=<tokenizer> to show its boundaries)")]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", ctx.cfg.doc) if ctx.cfg.doc else "overview"
+    if ctx.cfg.student:
+        name += f"--{tokenizer_slug(ctx.cfg.student)}"
+    path = ctx.out_dir / "html" / f"{name}.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page(f"teacher losses: {ctx.dataset.name}", sections, scale, meta), encoding="utf-8")
+    ctx.console.print(f"wrote {path}", markup=False)
+    return 0
+
+
+def cmd_plots(ctx: Context) -> int:
+    from pipeline.inspection import plots
+
+    folder = ctx.out_dir / "plots"
+    written = [plots.loss_histogram(ctx.summary(), folder / "loss_histogram.png")]
+    if ctx.cfg.student:
+        report = ctx.align_report(ctx.student_tokenizer(), write=False)
+        sub = folder / tokenizer_slug(ctx.cfg.student)
+        written += [plots.mapped_share(report, sub / "mapped_share.png"),
+                    plots.teacher_per_student(report, sub / "teacher_per_student.png"),
+                    plots.chunk_quality(report, sub / "chunk_quality.png")]
+    for path in written:
+        ctx.console.print(f"wrote {path}", markup=False)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Context], int]] = {
+    "summary": cmd_summary,
+    "validate": cmd_validate,
+    "vocab-overlap": cmd_vocab_overlap,
+    "align-report": cmd_align_report,
+    "html": cmd_html,
+    "plots": cmd_plots,
+}
+
+
+def run(cfg, console: Console | None = None, resolve: Resolve = Path) -> int:
+    """Run the command of ``cfg``, a config without :func:`config_problems`; returns the exit status."""
+    return COMMANDS[cfg.command](Context(cfg, console or Console(soft_wrap=True), resolve))
