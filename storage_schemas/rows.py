@@ -59,7 +59,8 @@ def list_column_values(table: pa.Table | pa.RecordBatch, column: str) -> tuple[n
 
 
 def table_problems(table: pa.Table | pa.RecordBatch, rules: RowRules = RowRules(), first_row: int = 0) -> list[RowProblem]:
-    """Every row problem of ``table``, ordered by row; rows are numbered from ``first_row``."""
+    """Every row problem of ``table``, ordered by row; rows are numbered from ``first_row``.
+    Memory is a few times the table's list columns: callers pass a record batch of bounded size."""
     n_rows = table.num_rows
     doc_ids = table.column("doc_id").to_pylist()
     text = table.column("text")
@@ -89,12 +90,11 @@ def table_problems(table: pa.Table | pa.RecordBatch, rules: RowRules = RowRules(
     pos = np.arange(total) - np.repeat(row_start, counts)  # token position inside its row
     owner = np.repeat(rows, counts)  # row of each gathered token
 
-    def gather(column: str, dtype) -> np.ndarray:
+    def gather(column: str) -> np.ndarray:  # the checked rows' tokens of one list column, in its own dtype
         values, offsets = lists[column]
-        return values[np.repeat(offsets[:-1][rows], counts) + pos].astype(dtype, copy=False)
+        return values[np.repeat(offsets[:-1][rows], counts) + pos]
 
-    ids, starts, ends = gather("token_ids", np.int64), gather("starts", np.int64), gather("ends", np.int64)
-    losses = gather("losses", np.float64)
+    ids, starts, ends, losses = (gather(c) for c in LIST_COLUMNS)
     limit = np.repeat(text_len[rows], counts)
     first = pos == 0
     later = ~first

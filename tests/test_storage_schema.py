@@ -128,3 +128,51 @@ def test_loss_rounding_is_bounded_and_keeps_nan(precision, rel):
     assert y.dtype == np.float32 and np.isnan(y[0])
     np.testing.assert_allclose(y[1:], x[1:], rtol=rel, atol=1e-7)
     assert (y[1:] != x[1:]).any(), "rounding must actually drop precision"
+
+
+def test_dataset_dir_names_the_schema_version(tmp_path):
+    from storage_schemas import dataset_dir
+
+    assert dataset_dir(tmp_path, "open-web-math", "qwen-7b") == tmp_path / "open-web-math" / "qwen-7b" / "v1"
+    assert dataset_dir("outputs/scored", "c", "t").as_posix() == "outputs/scored/c/t/v1"
+
+
+def test_polars_schema_is_the_row_schema_and_polars_is_not_needed_to_import_the_contract():
+    import subprocess
+    import sys
+
+    import polars as pl
+
+    from storage_schemas import polars_schema
+
+    assert dict(polars_schema()) == {"doc_id": pl.String, "text": pl.String, "token_ids": pl.List(pl.Int32),
+                                     "starts": pl.List(pl.Int32), "ends": pl.List(pl.Int32), "losses": pl.List(pl.Float32)}
+    code = "import sys, storage_schemas, storage_schemas.reader; print('polars' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
+
+
+def test_row_problems_name_row_and_document_per_rule():
+    """The row checker against hand-worked expectations, one planted fault per row."""
+    from storage_schemas import RowRules, table_problems
+
+    nan = float("nan")
+    table = pa.table({
+        "doc_id": ["ok", "neg", "vocab", "empty", "", "late-nan"],
+        "text": ["abcd", "ab", "ab", "ab", "ab", "abc"],
+        "token_ids": [[1, 2], [1, 2], [7], [1, 0], [1], [1, 2]],
+        "starts": [[0, 2], [0, 1], [0], [0, 1], [0], [0, 1]],
+        "ends": [[2, 4], [1, 2], [1], [1, 1], [1], [1, 3]],
+        "losses": [[nan, 1.0], [nan, -1.0], [nan], [nan, 2.0], [nan], [nan, nan]],
+    }, schema=ROW_SCHEMA)
+    special_zero = RowRules(vocab_size=5, bos=False, special_ids=frozenset({0}))
+    found = [(p.row, p.doc_id, p.severity, p.message.split(" (")[0]) for p in table_problems(table, special_zero, first_row=10)]
+    assert found == [
+        (11, "neg", "error", "negative loss"),
+        (12, "vocab", "error", "token id outside the teacher vocabulary"),
+        (14, "", "error", "empty or null doc_id"),
+        (15, "late-nan", "warning", "NaN loss past the first token"),
+    ], found
+    no_special = RowRules(vocab_size=5, bos=False, special_ids=frozenset())
+    assert [(p.row, p.message.split(" (")[0]) for p in table_problems(table, no_special) if p.doc_id == "empty"] == [
+        (3, "empty text slice for a non-special token")]

@@ -16,7 +16,7 @@ Each listed shard
     schema; its identity equal to the manifest's (or, for a shard written before the folder's
     identity was migrated, to the one it was adopted from), its shard index equal to its entry's;
     as many rows and tokens as the entry says.
-Each row (:func:`storage_schemas.rows.table_problems`, one row group at a time)
+Each row (:func:`storage_schemas.rows.table_problems`, :data:`BATCH_ROWS` rows at a time)
     ``doc_id`` non-empty and unique in the dataset; the four lists of equal length; every span
     inside the text (``0 <= start <= end <= len(text)``), starts non-decreasing, text slices
     non-empty except for ``special_ids``; token ids in ``[0, vocab_size)`` when the identity gives
@@ -25,7 +25,7 @@ Each row (:func:`storage_schemas.rows.table_problems`, one row group at a time)
     token's loss NaN although a BOS preceded it, or finite although none did.
 
 The file checks are the reader's (:func:`storage_schemas.reader.shard_problems`) and the row checks
-the contract's; this module adds what needs the whole folder. Memory: one row group at a time, plus
+the contract's; this module adds what needs the whole folder. Memory: one batch of rows, plus
 one 64-bit hash per document for the uniqueness check; checksums are streamed (docs/METHOD.md §1.4).
 """
 
@@ -53,6 +53,7 @@ from storage_schemas import (
 from storage_schemas.reader import shard_problems
 from storage_schemas.rows import ERROR, WARNING, list_column_values
 
+BATCH_ROWS = 128  # rows checked at a time: memory stays flat whatever the shard's size
 
 @dataclass(frozen=True)
 class Problem:
@@ -211,8 +212,7 @@ def _check_shard(
     ids_hashed, ids_rows = [], []
     try:
         shard = pq.ParquetFile(folder / name)
-        for group in range(shard.num_row_groups):
-            table = shard.read_row_group(group)
+        for table in shard.iter_batches(batch_size=BATCH_ROWS):
             problems.extend(Problem(p.severity, name, p.message, row=p.row, doc_id=p.doc_id)
                             for p in table_problems(table, rules, first_row=rows))
             doc_ids = table.column("doc_id").to_pylist()
