@@ -1,4 +1,4 @@
-"""Rich tables and coloured text for the terminal; the stage prints what these return."""
+"""Rich tables and coloured text for the terminal; the commands (:mod:`pipeline.inspection.commands`) print what these return."""
 
 from __future__ import annotations
 
