@@ -1,4 +1,5 @@
-"""Rich tables and coloured text for the terminal; the commands (:mod:`pipeline.inspection.commands`) print what these return."""
+"""Rich tables and coloured text for the terminal; the commands
+(:mod:`pipeline.inspection.commands`) print what these return."""
 
 from __future__ import annotations
 
