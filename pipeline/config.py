@@ -72,7 +72,8 @@ def build(cls: type[T], values: Mapping[str, Any] | None, where: str, problems: 
             own.append(f"{prefix}{shown.get(name, name)}: required")
 
     good: dict[str, Any] = {}
-    for name in set(values) & set(fields):
+    mistyped: list[str] = []
+    for name in sorted(set(values) & set(fields)):
         value, hint = values[name], hints[name]
         if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
             value = build(hint, value, f"{prefix}{shown.get(name, name)}", own)
@@ -82,12 +83,15 @@ def build(cls: type[T], values: Mapping[str, Any] | None, where: str, problems: 
             good[name] = value
         else:
             own.append(f"{prefix}{shown.get(name, name)}: {value!r} is not {_describe(hint)}")
+            mistyped.append(name)
 
     required_missing = any(n not in good and fields[n].default is dataclasses.MISSING
                            and fields[n].default_factory is dataclasses.MISSING for n in fields)
     if not required_missing and hasattr(cls, "problems"):
         for line in _unchecked(cls, good).problems():  # checked before construction: every problem, not the first
             head, sep, text = line.partition(":")
+            if any(name in line for name in mistyped):
+                continue  # compared with the default standing in for a value of the wrong type
             own.append(f"{prefix}{shown.get(head, head)}{sep}{text}" if head in fields else f"{prefix}{line}")
     problems.extend(own)
     return None if own or required_missing else cls(**good)

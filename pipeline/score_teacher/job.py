@@ -148,8 +148,8 @@ def score_job_config(values: Mapping) -> ScoreJobConfig:
     if storage is not None:  # StorageConfig's choices
         check_choice(problems, "storage.encodings", storage.encodings, ENCODINGS)
         check_choice(problems, "storage.loss_precision", storage.loss_precision, LOSS_PRECISIONS)
-    if teacher is not None and not teacher_values.get("embedded"):
-        problems += local_path_problems(teacher)
+    if not teacher_values.get("embedded"):  # from the values as written: a bad value beside them does not hide them
+        problems += local_path_problems(teacher_values.get("model"), teacher_values.get("tokenizer"))
     if corpus is not None and not data_values.get("embedded"):
         problems += corpus_file_problems(corpus)
     top = {k: v for k, v in values.items() if k not in (*GROUPS, *FRONT_END_KEYS)}
@@ -174,12 +174,11 @@ def _absolute_paths(teacher: TeacherConfig, embedded: bool) -> TeacherConfig:
     return replace(teacher, model=model, tokenizer=tokenizer)
 
 
-def local_path_problems(teacher: TeacherConfig) -> list[str]:
+def local_path_problems(model, tokenizer) -> list[str]:
     """A teacher or tokenizer given as a local path must exist; anything else is taken as a hub id."""
     found = []
-    for key in ("model", "tokenizer"):
-        value = getattr(teacher, key)
-        if value and looks_local(value) and not os.path.exists(os.path.expanduser(value)):
+    for key, value in (("model", model), ("tokenizer", tokenizer)):
+        if isinstance(value, str) and value and looks_local(value) and not os.path.exists(os.path.expanduser(value)):
             found.append(f"teacher.{key}: no such local file or folder: {value}")
     return found
 
@@ -310,7 +309,7 @@ def _legacy_view(cfg: ScoreJobConfig, identity: dict, sources: list[SourceFile])
 
 
 def _check_local_paths(teacher: TeacherConfig) -> None:
-    problems = local_path_problems(teacher)
+    problems = local_path_problems(teacher.model, teacher.tokenizer)
     if problems:
         raise FileNotFoundError("\n".join(problems))
 

@@ -228,9 +228,10 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
             _geometry(parts["train"], parts["student"].seq_len, world_size=1)
         except ValueError as exc:
             problems.append(str(exc))
-    if job is not None:
-        if check_files:
-            problems += file_problems(job, embedded_student=bool(student_values.get("embedded")))
+    if check_files:  # from the values as written: a bad value elsewhere in the group does not hide them
+        data_values = values.get("data") or {}
+        problems += file_problems(data_values.get("folders"), student_values.get("model"),
+                                  embedded_student=bool(student_values.get("embedded")))
     raise_if(problems)
     embedded = bool(student_values.get("embedded"))
     model = job.student.model
@@ -243,13 +244,13 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
     )
 
 
-def file_problems(job: TrainJobConfig, embedded_student: bool = False) -> list[str]:
+def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
     """Scored folders that do not exist, and a student given as a local path that does not."""
     found = [f"data.folders: scored dataset folder not found: {f} (score the corpus first: make "
              "score-teacher with the same teacher and data, or point data.folders at a scored dataset)"
-             for f in job.data.folders if not Path(f).is_dir()]
-    model = job.student.model
-    if not embedded_student and looks_local(model) and not os.path.exists(os.path.expanduser(model)):
+             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not Path(f).is_dir()]
+    if (isinstance(model, str) and model and not embedded_student and looks_local(model)
+            and not os.path.exists(os.path.expanduser(model))):
         found.append(f"student.model: no such local folder: {model}")
     return found
 
