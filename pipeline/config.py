@@ -24,7 +24,10 @@ class ConfigError(ValueError):
 
 
 def raise_if(problems: list[str]) -> None:
-    """Raise :class:`ConfigError` listing ``problems``, one per line, when there are any."""
+    """Raise :class:`ConfigError` when there are ``problems``: one problem as one line, several
+    listed one per line."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 import stages.score_teacher  # noqa: F401  (each registers the defaults its YAML overrides)
 import stages.train_student  # noqa: F401
+import stages.convert_teacher  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
