@@ -33,7 +33,6 @@ FINAL_NAME = "final"
 METRICS_NAME = "metrics.jsonl"
 DATA_IDENTITY_NAME = "data_identity.json"
 COMPLETE_NAME = "checkpoint_complete.json"
-RESUME_KEYWORDS = ("auto", "never")
 
 
 class RunMismatchError(RuntimeError):
