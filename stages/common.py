@@ -1,18 +1,16 @@
-"""Helpers shared by the Hydra entry points: typed configs, checked all at once, and logging."""
+"""Helpers shared by the Hydra entry points: config mappings into typed configs (:mod:`pipeline.config`),
+the defaults the YAML files override, one-line errors, and logging."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.config import ConfigError, build, raise_if  # noqa: F401  (stages import them from here)
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """One or more configuration problems; the message lists every one."""
 
 
 def plain(cfg: DictConfig | dict, key: str | None = None) -> dict:
@@ -21,24 +19,16 @@ def plain(cfg: DictConfig | dict, key: str | None = None) -> dict:
 
 
 def typed(cls: type[T], values: dict[str, Any], where: str, problems: list[str], drop: tuple[str, ...] = ()) -> T | None:
-    """Build dataclass ``cls`` from ``values``; unknown and missing keys are added to ``problems``."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in values.items() if k not in drop}
-    unknown = sorted(set(values) - set(fields))
-    missing = sorted(
-        n for n, f in fields.items()
-        if n not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    )
-    problems += [f"{where}.{k}: unknown key (known: {', '.join(sorted(fields))})" for k in unknown]
-    problems += [f"{where}.{k}: required" for k in missing]
-    if unknown or missing:
-        return None
-    return cls(**values)
+    """Build dataclass ``cls`` from ``values`` (:func:`pipeline.config.build`); problems are appended."""
+    return build(cls, values, where, problems, drop=drop)
 
 
-def raise_if(problems: list[str]) -> None:
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+def register_defaults(name: str, tree: dict) -> None:
+    """Make a stage's defaults (taken from its typed configs) the first entry of its YAML's
+    defaults list, so the YAML only overrides and every key can be overridden without ``+``."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=name, node=tree)
 
 
 USER_ERRORS = (ConfigError, FileNotFoundError, PermissionError, ValueError, RuntimeError)

@@ -7,24 +7,31 @@ Configuration: ``conf/convert_teacher.yaml``.
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
+from dataclasses import replace
 
 import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
+from pipeline.config import defaults
+from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
 from pipeline.score_teacher.teacher_source import check_teacher_source, convert_to_safetensors
-from stages.common import exit_on_user_error, plain, quiet_libraries
+from stages.common import build, exit_on_user_error, plain, quiet_libraries, raise_if, register_defaults
+
+register_defaults("convert_teacher_defaults", {"teacher": defaults(TeacherConfig)})
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="convert_teacher")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
-    check_teacher_source(SimpleNamespace(**{**plain(cfg, "teacher"), "allow_bin": True}))
-    out = convert_to_safetensors(cfg.teacher.model, to_absolute_path(cfg.out_dir), revision=cfg.teacher.revision,
-                                 trust_remote_code=bool(cfg.teacher.trust_remote_code))
-    print(f"safetensors copy of {cfg.teacher.model} written to {out}")
+    problems: list[str] = []
+    teacher = build(TeacherConfig, plain(cfg, "teacher"), "teacher", problems, drop=TEACHER_RECIPE_KEYS)
+    raise_if(problems)
+    check_teacher_source(replace(teacher, allow_bin=True))
+    out = convert_to_safetensors(teacher.model, to_absolute_path(cfg.out_dir), revision=teacher.revision,
+                                 trust_remote_code=teacher.trust_remote_code)
+    print(f"safetensors copy of {teacher.model} written to {out}")
     print(f'score with: make score-teacher ARGS="teacher={cfg.teacher.name} teacher.model={out}"')
 
 

@@ -1,7 +1,9 @@
 """Stage 1 entry point: ``python -m stages.score_teacher [hydra overrides]`` (``make score-teacher``).
 
-Reads as a list of steps: compose and check the config, build the embedded default if it is the
-one chosen, run the Ray job, print the summary.
+Reads as a list of steps: compose and check the config (every problem at once, files included),
+build the embedded default if it is the one chosen, check that the teacher can be had, run the Ray
+job (:mod:`pipeline.score_teacher.job`), print the summary. The defaults are the typed configs';
+``conf/score_teacher.yaml`` only overrides them.
 """
 
 from __future__ import annotations
@@ -15,56 +17,19 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import JobSummary, PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
-from pipeline.score_teacher.backends.base import ScorerConfig
-from pipeline.score_teacher.writer import StorageConfig
+from pipeline.score_teacher.job import JobSummary, ScoreJobConfig, config_defaults, run_score_job, score_job_config
 from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
 from pipeline.score_teacher.teacher_source import check_teacher_source
-from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, raise_if, typed
+from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, register_defaults
+
+register_defaults("score_teacher_defaults", config_defaults())
 
 log = logging.getLogger("score_teacher")
 
 
 def job_config(cfg: DictConfig) -> ScoreJobConfig:
-    """The typed job configuration; every problem in the config is reported at once."""
-    problems: list[str] = []
-    teacher = typed(TeacherConfig, plain(cfg, "teacher"), "teacher", problems,
-                    drop=("embedded", "backend", "dtype", "num_gpus", "num_cpus", "build"))
-    corpus = typed(CorpusConfig, plain(cfg, "data"), "data", problems, drop=("embedded", "build"))
-    scorer = typed(ScorerConfig, plain(cfg, "scorer"), "scorer", problems)
-    ray_cfg = typed(RayConfig, plain(cfg, "ray"), "ray", problems)
-    pool = typed(PoolConfig, plain(cfg, "pool"), "pool", problems)
-    storage = typed(StorageConfig, plain(cfg, "storage"), "storage", problems)
-    if storage and storage.encodings not in ("default", "compact"):
-        problems.append(f"storage.encodings: {storage.encodings!r} is not one of default, compact")
-    if storage and storage.loss_precision not in ("float32", "bfloat16", "float16"):
-        problems.append(f"storage.loss_precision: {storage.loss_precision!r} is not one of float32, bfloat16, float16")
-    if scorer and scorer.backend not in ("transformers", "vllm"):
-        problems.append(f"scorer.backend: {scorer.backend!r} is not one of transformers, vllm")
-    if corpus and corpus.source not in ("files", "hub"):
-        problems.append(f"data.source: {corpus.source!r} is not one of files, hub")
-    raise_if(problems)
-    teacher = _absolute_paths(teacher, embedded=bool(cfg.teacher.get("embedded")))
-    corpus = CorpusConfig(**{**corpus.__dict__, "files": [to_absolute_path(f) for f in corpus.files]})
-    return ScoreJobConfig(
-        teacher=teacher, corpus=corpus, scorer=scorer, ray=ray_cfg, pool=pool,
-        output_dir=to_absolute_path(cfg.output_dir), overwrite=bool(cfg.overwrite),
-        limit_shards=cfg.limit_shards, storage=storage, progress=bool(cfg.progress),
-        migrate_identity=bool(cfg.migrate_identity),
-    )
-
-
-def _absolute_paths(teacher: TeacherConfig, embedded: bool) -> TeacherConfig:
-    """Local teacher and tokenizer paths (and the embedded teacher's, built later) become absolute
-    for the actors; hub ids stay as they are. Paths are not part of the dataset's identity."""
-    model = teacher.model
-    if model and (embedded or Path(model).exists()):
-        model = to_absolute_path(model)
-    tokenizer = teacher.tokenizer
-    if tokenizer and Path(tokenizer).exists():
-        tokenizer = to_absolute_path(tokenizer)
-    return TeacherConfig(**{**teacher.__dict__, "model": model, "tokenizer": tokenizer})
+    """The typed job; every problem in the config is reported at once (:func:`score_job_config`)."""
+    return score_job_config(plain(cfg))
 
 
 def build_embedded(cfg: DictConfig) -> None:

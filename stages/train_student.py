@@ -1,8 +1,10 @@
 """Stage 2 entry point: ``python -m stages.train_student [hydra overrides]`` (``make train-student``).
 
-Reads as a list of steps: compose and check the config, build the embedded student if it is the
-one chosen, train, print the summary. Several processes (``torchrun`` / ``accelerate launch``)
-run the same steps; only the first writes the run folder and prints.
+Reads as a list of steps: compose and check the config (every problem at once, files included),
+build the embedded student if it is the one chosen, train (:mod:`pipeline.train_student.run`), print
+the summary. The defaults are the typed configs'; ``conf/train_student.yaml`` only overrides them.
+Several processes (``torchrun`` / ``accelerate launch``) run the same steps; only the first writes
+the run folder and prints.
 """
 
 from __future__ import annotations
@@ -16,59 +18,19 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.train_student.run import (
-    DataConfig,
-    LossConfig,
-    StudentConfig,
-    TrainConfig,
-    TrainJobConfig,
-    TrainSummary,
-    run_training,
-    validate,
-)
-from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, raise_if, typed
+from pipeline.train_student.run import TrainJobConfig, TrainSummary, config_defaults, run_training, train_job_config
+from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, register_defaults
 from storage_schemas import write_json_atomic
+
+register_defaults("train_student_defaults", config_defaults())
 
 log = logging.getLogger("train_student")
 
 
-def job_config(cfg: DictConfig) -> TrainJobConfig:
-    """The typed job configuration; every problem in the config is reported at once."""
-    problems: list[str] = []
-    student = typed(StudentConfig, plain(cfg, "student"), "student", problems, drop=("embedded", "build"))
-    data = typed(DataConfig, plain(cfg, "data"), "data", problems, drop=("corpus", "teacher"))
-    loss = typed(LossConfig, plain(cfg, "loss"), "loss", problems)
-    train = typed(TrainConfig, plain(cfg, "train"), "train", problems)
-    raise_if(problems)
-    job = TrainJobConfig(
-        student=_absolute_model(student, embedded=bool(cfg.student.get("embedded"))),
-        data=DataConfig(**{**data.__dict__, "folders": [to_absolute_path(f) for f in data.folders],
-                           "cache_dir": to_absolute_path(data.cache_dir) if data.cache_dir else None}),
-        loss=loss,
-        train=train,
-        output_dir=to_absolute_path(cfg.output_dir),
-        overwrite=bool(cfg.overwrite),
-    )
-    raise_if(validate(job, world_size=1))  # the batch geometry is checked again for the real world size
-    return job
-
-
-def _absolute_model(student: StudentConfig, embedded: bool) -> StudentConfig:
-    """Local model folders (and the embedded student's, built later) become absolute paths; hub ids
-    stay as they are."""
-    if embedded or Path(student.model).exists():
-        return StudentConfig(**{**student.__dict__, "model": to_absolute_path(student.model)})
-    return student
-
-
-def check_data_exists(job: TrainJobConfig) -> None:
-    missing = [f for f in job.data.folders if not Path(f).is_dir()]
-    if missing:
-        raise ConfigError(
-            "scored dataset folder(s) not found:\n  - " + "\n  - ".join(missing)
-            + "\nScore the corpus first (make score-teacher, with the same teacher and data), "
-            "or point data.folders at a scored dataset."
-        )
+def job_config(cfg: DictConfig, check_files: bool = False) -> TrainJobConfig:
+    """The typed job; every problem in the config is reported at once (:func:`train_job_config`),
+    with ``check_files`` also missing scored folders and a missing local student."""
+    return train_job_config(plain(cfg), check_files=check_files)
 
 
 def build_embedded(cfg: DictConfig) -> None:
@@ -124,8 +86,7 @@ def print_summary(s: TrainSummary) -> None:
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
-    job = job_config(cfg)
-    check_data_exists(job)
+    job = job_config(cfg, check_files=True)
     build_embedded(cfg)
     summary = run_training(job)
     if _is_main_process():

@@ -105,10 +105,11 @@ def test_student_checkpoints_that_must_be_refused(tiny_student, tmp_path):
 
 def test_missing_scored_folder_and_out_of_range_settings_are_named(tmp_path):
     from stages.common import ConfigError
-    from stages.train_student import check_data_exists, job_config
+    from stages.train_student import job_config
 
-    job = job_config(compose([f"data.folders=[{tmp_path}/never-scored]"]))
-    with pytest.raises(ConfigError, match=f"not found:\n  - {tmp_path}/never-scored\nScore the corpus first"):
-        check_data_exists(job)
+    job_config(compose([f"data.folders=[{tmp_path}/never-scored]"]))  # the folders are checked when the stage runs
+    with pytest.raises(ConfigError, match=f"data.folders: scored dataset folder not found: {tmp_path}/never-scored "
+                                          r"\(score the corpus first"):
+        job_config(compose([f"data.folders=[{tmp_path}/never-scored]"]), check_files=True)
     with pytest.raises(ConfigError, match="train.max_nonfinite_in_a_row: 0 must be >= 1"):
         job_config(compose(["train.max_nonfinite_in_a_row=0"]))

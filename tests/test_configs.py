@@ -1,7 +1,11 @@
-"""Every config in conf/ composes, and the stage turns it into a valid typed job config."""
+"""Every config in conf/ composes, the stage turns it into a valid typed job config, and every
+problem of a bad config is reported, each one, in one message."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +13,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+import stages.score_teacher  # noqa: F401  (each registers the defaults its YAML overrides)
+import stages.train_student  # noqa: F401
+import stages.convert_teacher  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
 
 
 def _options(group: str) -> list[str]:
@@ -53,15 +62,92 @@ def test_unknown_key_is_an_error():
         _compose("score_teacher", ["scorer.no_such_key=1"])
 
 
-def test_all_config_problems_are_reported_at_once():
+STAGE1_ERRORS = [
+    "+scorer.typo_key=1",                      # an unknown key in a group...
+    "scorer.backend=onnx",                     # ...does not hide that group's bad choice
+    "scorer.max_batch_tokens=lots",            # a value of the wrong type
+    "+pool.other_typo=2",                      # an unknown key in another group
+    "storage.encodings=tiny",                  # a bad choice in a third group
+    "teacher=qwen2.5-math-7b-instruct", "teacher.model=./no-such-teacher",  # a local teacher that is not there
+    "data=open-web-math", "data.source=files", "data.files=[/no/such/corpus/*.parquet]",  # a glob matching nothing
+]
+STAGE1_EXPECTED = [
+    "scorer.typo_key: unknown key",
+    "scorer.backend: 'onnx' is not one of transformers, vllm",
+    "scorer.max_batch_tokens: 'lots' is not an integer",
+    "pool.other_typo: unknown key",
+    "storage.encodings: 'tiny' is not one of default, compact",
+    "teacher.model: no such local file or folder: ./no-such-teacher",
+    "data.files: corpus 'open-web-math': no file matches '/no/such/corpus/*.parquet'",
+]
+
+
+def test_all_stage1_config_problems_are_reported_at_once():
     from stages.common import ConfigError
     from stages.score_teacher import job_config
 
-    cfg = _compose("score_teacher", ["+scorer.typo_key=1", "+pool.other_typo=2", "scorer.backend=onnx"])
     with pytest.raises(ConfigError) as err:
-        job_config(cfg)
-    message = str(err.value)
-    assert "scorer.typo_key" in message and "pool.other_typo" in message
+        job_config(_compose("score_teacher", STAGE1_ERRORS))
+    lines = str(err.value).splitlines()
+    for expected in STAGE1_EXPECTED:
+        assert any(expected in line for line in lines), (expected, lines)
+    assert len(lines) == 1 + len(STAGE1_EXPECTED), lines  # the heading, then one line per problem
+
+
+STAGE2_ERRORS = [
+    "+loss.typo=1",                            # an unknown key in the loss group...
+    "loss.mode=rho",                           # ...does not hide its bad choices (selection)
+    "loss.aggregate=median",                   # (alignment: the one place the aggregation is checked)
+    "loss.alignment=dtw",
+    "loss.ratio=1.5",                          # a value out of range
+    "+train.other_typo=2",
+    "train.precision=fp8",
+    "train.learning_rate=fast",                # a value of the wrong type
+    "data.verify=md5",
+    "data.folders=[/no/such/scored/v1]",       # a scored folder that is not there
+    "student=tinyllama-1.1b", "student.model=./no-such-student",  # a local student that is not there
+]
+STAGE2_EXPECTED = [
+    "loss.typo: unknown key",
+    "loss.mode: 'rho' is not one of guided, cpt, random",
+    "loss.aggregate: 'median' is not one of max, mean, min",
+    "loss.alignment: 'dtw' is not one of token, chunk, one_to_one",
+    "loss.ratio: 1.5 is not in (0, 1]",
+    "train.other_typo: unknown key",
+    "train.precision: 'fp8' is not one of auto, bf16, fp16, fp32",
+    "train.learning_rate: 'fast' is not a number",
+    "data.verify: 'md5' is not one of size, sha256",
+    "data.folders: scored dataset folder not found: /no/such/scored/v1",
+    "student.model: no such local folder: ./no-such-student",
+]
+
+
+def test_all_stage2_config_problems_are_reported_at_once():
+    from stages.common import ConfigError
+    from stages.train_student import job_config
+
+    cfg = _compose("train_student", STAGE2_ERRORS)
+    with pytest.raises(ConfigError) as err:
+        job_config(cfg, check_files=True)
+    lines = str(err.value).splitlines()
+    for expected in STAGE2_EXPECTED:
+        assert any(expected in line for line in lines), (expected, lines)
+    assert len(lines) == 1 + len(STAGE2_EXPECTED), lines
+
+
+@pytest.mark.parametrize("stage, errors, expected", [
+    ("score_teacher", STAGE1_ERRORS, STAGE1_EXPECTED), ("train_student", STAGE2_ERRORS, STAGE2_EXPECTED)])
+def test_a_stage_with_several_config_errors_exits_2_listing_each(stage, errors, expected, tmp_path):
+    """The entry point itself: exit code 2, every problem on stderr, no traceback, nothing written."""
+    env = {**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", f"stages.{stage}", *errors, f"hydra.run.dir={tmp_path}/logs",
+                             f"artifacts_dir={tmp_path}/artifacts", f"output_dir={tmp_path}/out"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    for line in expected:
+        assert line in result.stderr, (line, result.stderr)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "artifacts").exists()
 
 
 def test_every_primary_config_composes():

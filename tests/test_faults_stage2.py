@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from pipeline.train_student.trainer import COMPLETE_NAME, NonFiniteLossError
+from pipeline.train_student.checkpoints import COMPLETE_NAME
+from pipeline.train_student.trainer import NonFiniteLossError
 from pipeline.train_student.run import RunMismatchError, run_training
 from test_train_student import make_job, metrics, tiny_student  # noqa: F401  (tiny_student is a fixture)
 

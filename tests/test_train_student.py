@@ -14,10 +14,11 @@ import pytest
 from transformers import TrainerCallback
 
 from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
-from pipeline.train_student.trainer import DATA_IDENTITY_NAME
+from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
+from pipeline.train_student.data import AlignmentConfig
+from pipeline.train_student.guided_loss import SelectionConfig
 from pipeline.train_student.run import (
     DataConfig,
-    LossConfig,
     RunMismatchError,
     StudentConfig,
     TrainConfig,
@@ -41,14 +42,17 @@ def tiny_student(micro_corpus, tmp_path_factory) -> Path:
 
 
 def make_job(model: Path, scored: Path, out: Path, steps: int = 4, **changes) -> TrainJobConfig:
-    loss = LossConfig(**changes.pop("loss", {}))
+    loss = changes.pop("loss", {})  # as the config's loss group: selection and alignment settings
+    selection = SelectionConfig(**{k: v for k, v in loss.items() if k in ("mode", "ratio", "rank_over", "unmapped")})
+    alignment = AlignmentConfig(**{("method" if k == "alignment" else k): v for k, v in loss.items()
+                                   if k in ("alignment", "aggregate", "n_chunks")})
     data = DataConfig(folders=[str(scored)], cache_dir=str(out.parent / "lengths"), num_workers=changes.pop("workers", 0))
     train = TrainConfig(**{
         "micro_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": steps, "learning_rate": 3e-3,
         "min_learning_rate": 3e-4, "warmup_steps": 1, "logging_steps": 1, "save_steps": 2, "report_to": [],
         "progress": False, "use_cpu": True, "cpu_threads": 1, **changes})
-    return TrainJobConfig(student=StudentConfig(name="t", model=str(model), seq_len=32), data=data, loss=loss,
-                          train=train, output_dir=str(out))
+    return TrainJobConfig(student=StudentConfig(name="t", model=str(model), seq_len=32), data=data, selection=selection,
+                          alignment=alignment, train=train, output_dir=str(out))
 
 
 def metrics(run: Path) -> list[dict]:
@@ -126,12 +130,12 @@ def test_resume_is_refused_when_the_recipe_or_the_data_change(tiny_student, micr
     job = make_job(tiny_student, micro_scored, tmp_path / "run", steps=2)
     run_training(job)
     with pytest.raises(RunMismatchError, match="recipe loss.ratio: 0.4 != 0.3"):
-        run_training(replace(job, loss=replace(job.loss, ratio=0.3)))
+        run_training(replace(job, selection=replace(job.selection, ratio=0.3)))
     with pytest.raises(RunMismatchError, match="data packing.seed"):
         run_training(replace(job, data=replace(job.data, seed=5)))
     with pytest.raises(RunMismatchError, match="resume=never"):
         run_training(replace(job, train=replace(job.train, resume="never")))
-    fresh = run_training(replace(job, loss=replace(job.loss, ratio=0.3), overwrite=True))
+    fresh = run_training(replace(job, selection=replace(job.selection, ratio=0.3), overwrite=True))
     assert fresh.resumed_from is None and fresh.steps == 2
 
 
@@ -211,6 +215,8 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    import stages.train_student  # noqa: F401  (registers the defaults conf/train_student.yaml overrides)
+
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return hydra_compose(config_name="train_student", overrides=overrides)
 
@@ -225,7 +231,8 @@ def test_paper_experiments_pin_the_recipe(experiment):
     teacher = Path(job.data.folders[0]).parent.name
     assert job.data.folders[0].endswith(f"outputs/scored/open-web-math/{teacher}/v1")
     assert teacher in ("qwen2.5-math-7b-instruct", "deepseekmath-7b", "mistral-proxmath-7b", "llemma-7b")
-    assert (job.loss.mode, job.loss.ratio, job.loss.aggregate, job.loss.unmapped) == ("guided", 0.4, "max", "include")
+    assert (job.selection.mode, job.selection.ratio, job.alignment.aggregate, job.selection.unmapped) == (
+        "guided", 0.4, "max", "include")
     assert (job.train.learning_rate, job.train.min_learning_rate) == (8e-5, 8e-6)
     assert batch_geometry(job, world_size=8) == (16, 2**21)  # 8 GPUs x 8 x 2048 x 16 = 2M tokens
     assert math.ceil(job.train.max_tokens / 2**21) == 7153

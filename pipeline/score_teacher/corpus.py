@@ -29,6 +29,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.config import check_at_least, check_choice
+
+SOURCES = ("files", "hub")
+
 
 class CorpusError(ValueError):
     """A corpus that cannot be read; the message names the file and the problem."""
@@ -36,6 +40,8 @@ class CorpusError(ValueError):
 
 @dataclass(frozen=True)
 class CorpusConfig:
+    """Which corpus stage 1 scores and how it is cut into shards (docs/METHOD.md §1.5)."""
+
     name: str = "corpus"
     source: str = "files"  # files | hub
     files: list[str] = field(default_factory=list)  # paths or globs (source=files)
@@ -46,6 +52,12 @@ class CorpusConfig:
     text_column: str = "text"
     rows_per_shard: int = 2000
     limit_docs: int | None = None  # take only the first N documents of the plan
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "source", self.source, SOURCES)
+        check_at_least(found, "rows_per_shard", self.rows_per_shard, 1)
+        return found
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,15 @@ import logging
 import os
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Mapping
 
 from pipeline import __version__
+from pipeline.config import build, check_choice, defaults, raise_if
 from pipeline.score_teacher.corpus import (
     CorpusConfig,
+    CorpusError,
     ShardSpec,
     SourceFile,
     corpus_identity,
@@ -45,6 +48,7 @@ from pipeline.score_teacher.writer import (
     write_shard,
 )
 from pipeline.score_teacher.teacher import SKIP_REASONS, WindowSettings
+from pipeline.score_teacher.teacher_source import looks_local
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT
 
@@ -53,6 +57,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TeacherConfig:
+    """The teacher LM and its windows (docs/METHOD.md §1.2, §1.3)."""
+
     name: str
     model: str  # hub id or local folder
     revision: str | None = None
@@ -94,6 +100,98 @@ class ScoreJobConfig:
     progress: bool = True
     manifest_every_s: float = 10.0
     migrate_identity: bool = False  # adopt this identity for a folder whose manifest predates it
+
+
+# ---------------------------------------------------------------------------------------------
+# The job's configuration as a config file writes it (conf/score_teacher.yaml)
+
+# Teacher keys that describe the recipe for other groups (scorer, pool) or its embedded build.
+TEACHER_RECIPE_KEYS = ("embedded", "backend", "dtype", "num_gpus", "num_cpus", "build")
+CORPUS_RECIPE_KEYS = ("embedded", "build")
+# Scorer fields that are the teacher's, filled in by prepare().
+SCORER_FROM_TEACHER = ("model", "revision", "trust_remote_code", "window", "allow_bin")
+GROUPS = {"teacher": TeacherConfig, "data": CorpusConfig, "scorer": ScorerConfig, "ray": RayConfig,
+          "pool": PoolConfig, "storage": StorageConfig}
+FRONT_END_KEYS = ("artifacts_dir", "output_root", "hydra")  # used to compose the config, not by the job
+ENCODINGS = ("default", "compact")
+LOSS_PRECISIONS = ("float32", "bfloat16", "float16")
+
+
+def config_defaults() -> dict:
+    """Every setting of the job with its default, as the config file is laid out; the YAML files
+    override these."""
+    return {
+        "teacher": defaults(TeacherConfig),
+        "data": defaults(CorpusConfig),
+        "scorer": defaults(ScorerConfig, drop=SCORER_FROM_TEACHER),
+        "ray": defaults(RayConfig),
+        "pool": defaults(PoolConfig),
+        "storage": defaults(StorageConfig),
+        **defaults(ScoreJobConfig, drop=(*GROUPS, "corpus", "manifest_every_s")),
+    }
+
+
+def score_job_config(values: Mapping) -> ScoreJobConfig:
+    """The typed job from a composed config (plain mapping). Every problem is reported in one
+    :class:`pipeline.config.ConfigError`: unknown keys, wrong types and bad choices in every group,
+    and the files the config names that do not exist (a local teacher or tokenizer, a corpus
+    path or glob), unless they are the embedded ones, built later. Local paths become absolute."""
+    problems: list[str] = []
+    teacher_values, data_values = dict(values.get("teacher") or {}), dict(values.get("data") or {})
+    parts = {
+        "teacher": build(TeacherConfig, teacher_values, "teacher", problems, drop=TEACHER_RECIPE_KEYS),
+        "corpus": build(CorpusConfig, data_values, "data", problems, drop=CORPUS_RECIPE_KEYS),
+        **{name: build(cls, values.get(name), name, problems) for name, cls in GROUPS.items()
+           if name not in ("teacher", "data")},
+    }
+    storage, teacher, corpus = parts["storage"], parts["teacher"], parts["corpus"]
+    if storage is not None:  # StorageConfig's choices
+        check_choice(problems, "storage.encodings", storage.encodings, ENCODINGS)
+        check_choice(problems, "storage.loss_precision", storage.loss_precision, LOSS_PRECISIONS)
+    if not teacher_values.get("embedded"):  # from the values as written: a bad value beside them does not hide them
+        problems += local_path_problems(teacher_values.get("model"), teacher_values.get("tokenizer"))
+    if corpus is not None and not data_values.get("embedded"):
+        problems += corpus_file_problems(corpus)
+    top = {k: v for k, v in values.items() if k not in (*GROUPS, *FRONT_END_KEYS)}
+    built = {k: v for k, v in parts.items() if v is not None}
+    job = build(ScoreJobConfig, {**top, **built}, "", problems, assume=parts)
+    raise_if(problems)
+    return replace(
+        job, output_dir=os.path.abspath(job.output_dir),
+        teacher=_absolute_paths(job.teacher, embedded=bool(teacher_values.get("embedded"))),
+        corpus=replace(job.corpus, files=[os.path.abspath(f) for f in job.corpus.files]),
+    )
+
+
+def _absolute_paths(teacher: TeacherConfig, embedded: bool) -> TeacherConfig:
+    """Local teacher and tokenizer paths (and the embedded teacher's, built later) become absolute
+    for the actors; hub ids stay as they are. Paths are not part of the dataset's identity."""
+    model, tokenizer = teacher.model, teacher.tokenizer
+    if model and (embedded or Path(model).exists()):
+        model = os.path.abspath(model)
+    if tokenizer and Path(tokenizer).exists():
+        tokenizer = os.path.abspath(tokenizer)
+    return replace(teacher, model=model, tokenizer=tokenizer)
+
+
+def local_path_problems(model, tokenizer) -> list[str]:
+    """A teacher or tokenizer given as a local path must exist; anything else is taken as a hub id."""
+    found = []
+    for key, value in (("model", model), ("tokenizer", tokenizer)):
+        if isinstance(value, str) and value and looks_local(value) and not os.path.exists(os.path.expanduser(value)):
+            found.append(f"teacher.{key}: no such local file or folder: {value}")
+    return found
+
+
+def corpus_file_problems(corpus: CorpusConfig) -> list[str]:
+    """The corpus files (source=files) must exist and be readable; the hub is not asked here."""
+    if corpus.source != "files" or corpus.rows_per_shard < 1:
+        return []
+    try:
+        resolve_sources(corpus)
+    except CorpusError as exc:
+        return [f"data.files: {exc}"]
+    return []
 
 
 @dataclass
@@ -210,16 +308,10 @@ def _legacy_view(cfg: ScoreJobConfig, identity: dict, sources: list[SourceFile])
             "corpus": corpus}
 
 
-def _looks_local(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
-
-
 def _check_local_paths(teacher: TeacherConfig) -> None:
-    """A teacher given as a local path must exist; anything else is taken as a hub id."""
-    for key in ("model", "tokenizer"):
-        value = getattr(teacher, key)
-        if value and _looks_local(value) and not os.path.exists(os.path.expanduser(value)):
-            raise FileNotFoundError(f"teacher.{key}: no such local file or folder: {value}")
+    problems = local_path_problems(teacher.model, teacher.tokenizer)
+    if problems:
+        raise FileNotFoundError("\n".join(problems))
 
 
 def _vllm_window(window: int, teacher: TeacherConfig) -> int:

@@ -50,7 +50,8 @@ def _error(teacher, problem: str, ways_out: bool = True) -> TeacherSourceError:
     return TeacherSourceError(text)
 
 
-def _looks_local(name: str) -> bool:
+def looks_local(name: str) -> bool:
+    """A path as written (absolute, ./, ../, ~), as opposed to a hub id."""
     return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
 
 
@@ -62,7 +63,7 @@ def _list_files(teacher, key: str, timeout_s: float, need_weights: bool) -> set[
         return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
     if path.is_file():
         return None
-    if _looks_local(ref):
+    if looks_local(ref):
         raise TeacherSourceError(f"teacher.{key}: no such local file or folder: {ref}")
     cached = _cached_files(teacher, ref)
     if cached and (not need_weights or _weight_files(cached)):

@@ -51,6 +51,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from pipeline.config import check_at_least, check_choice, refuse
 from pipeline.train_student.align import AGGREGATIONS, align_document, align_documents
 from storage_schemas.reader import BadShardError, ScoredDataset, ShardInfo, ShardReader, read_row_group
 from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
@@ -62,21 +63,28 @@ ALIGNMENTS = ("token", "chunk", "one_to_one")
 
 @dataclass(frozen=True)
 class AlignmentConfig:
-    method: str = "token"  # token | chunk | one_to_one
+    """How teacher losses reach student tokens (docs/METHOD.md §2.1; chunk and one_to_one: §2.3).
+    The one place the aggregation choice is checked for a configuration."""
+
+    method: str = "token"  # token | chunk | one_to_one (written loss.alignment in the stage config)
     aggregate: str = "max"  # max | mean | min (token-level only)
     n_chunks: int = 8  # chunk-level only: C
 
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "method", self.method, ALIGNMENTS)
+        check_choice(found, "aggregate", self.aggregate, AGGREGATIONS)
+        check_at_least(found, "n_chunks", self.n_chunks, 1)
+        return found
+
     def __post_init__(self) -> None:
-        if self.method not in ALIGNMENTS:
-            raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {self.method!r}")
-        if self.aggregate not in AGGREGATIONS:
-            raise ValueError(f"aggregate must be one of {AGGREGATIONS}, got {self.aggregate!r}")
-        if self.n_chunks < 1:
-            raise ValueError(f"n_chunks must be >= 1, got {self.n_chunks}")
+        refuse(self)
 
 
 @dataclass(frozen=True)
 class PackingConfig:
+    """How documents become fixed-length samples (docs/METHOD.md §2.4)."""
+
     seq_len: int
     seed: int = 0
     shuffle: bool = True
@@ -84,11 +92,14 @@ class PackingConfig:
     add_bos: bool | None = None  # None: when the student's tokenizer adds one itself
     add_eos: bool = True
 
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_at_least(found, "seq_len", self.seq_len, 1)
+        check_at_least(found, "epochs", self.epochs, 1)
+        return found
+
     def __post_init__(self) -> None:
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
-        if self.epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        refuse(self)
 
 
 def resolve_alignment(config: AlignmentConfig, tokenizer, teacher_identity: dict) -> AlignmentConfig:

@@ -1,74 +1,54 @@
 """Stage 2 as a library call: train a student on a scored dataset with the teacher-guided loss.
 
 :func:`run_training` reads as its steps: resolve the batch geometry, open and validate the scored
-data, load the student's tokenizer and plan the packed samples, check the run folder (resume or
-refuse), load the student, train with :class:`pipeline.train_student.trainer.GuidedTrainer`, save the
-final model. Everything that can fail on bad input fails before the model is loaded.
+data, load the student's tokenizer and plan the packed samples (docs/METHOD.md §2.4), check the run
+folder (resume or refuse, :mod:`pipeline.train_student.checkpoints`), load the student, train with
+:class:`pipeline.train_student.trainer.GuidedTrainer`, save the final model. Everything that can fail
+on bad input fails before the model is loaded. Resuming restores weights, optimizer, schedule, RNG
+and data position, so a run killed at any moment and resumed logs the per-step losses of an
+uninterrupted one (docs/METHOD.md §2.5).
 
-The run folder ``output_dir`` (deterministic, e.g. ``outputs/students/<run name>``) holds
-``run.json`` (the recipe), ``checkpoint-<step>/`` (model, optimizer, scheduler, RNG, trainer
-state, ``data_identity.json`` and, written last, ``checkpoint_complete.json``), ``metrics.jsonl``,
-``runs/`` (TensorBoard), ``final/`` (``save_pretrained`` model and tokenizer plus
-``data_identity.json``; written under a temporary name and renamed, so it is whole or absent) and
-``summary.json``.
-
-Resume (``train.resume``): ``auto`` continues from the newest *complete* checkpoint in
-``output_dir`` when there is one, ``never`` refuses a folder that already has checkpoints (unless
-``overwrite``), a path resumes from that checkpoint. A checkpoint folder without
-``checkpoint_complete.json`` was being written when the process died (SIGKILL, node loss): it is
-never resumed from, and it is deleted when the run folder is prepared. A resume is refused when the
-recipe (``run.json``) or the data identity (scored shards, student tokenizer, packing) differs from
-the checkpoint's: a resumed run must see exactly the batches the interrupted one would have seen.
-Both are compared by content, not location: the student model by its digests or hub id
-(:func:`pipeline.identity.model_identity`, recorded in ``run.json``), the scored data by identity and
-shard sha256 (:func:`storage_schemas.reader.data_identity_differences`), so a run whose project
-folder moved resumes.
-Resuming restores the weights, AdamW's state, the learning-rate schedule, the RNG states and the
-data position (the Trainer skips the batches already trained), so on CPU a run killed at any
-moment and resumed logs exactly the per-step losses of an uninterrupted run
-(``tests/test_faults_stage2.py``).
-
-Non-finite losses: a step whose loss or gradient is not finite is skipped, and after
-``train.max_nonfinite_in_a_row`` such steps in a row the run saves a checkpoint and stops with
-:class:`pipeline.train_student.trainer.NonFiniteLossError` (:mod:`pipeline.train_student.trainer`).
-
-Security: the student's weights are loaded with ``use_safetensors=True`` (a checkpoint that has only
-pickle weights is refused) and remote code only runs when ``student.trust_remote_code`` is set.
-
-Batch geometry: ``micro_batch_size`` sequences per process per forward pass; either
-``global_batch_tokens`` (the paper: 2M = 2^21 tokens = 1024 sequences of 2048) from which the
-accumulation steps follow for the current world size, or ``gradient_accumulation_steps``.
+:func:`train_job_config` builds the typed job from a config mapping (``conf/train_student.yaml``),
+reporting every problem at once; its ``loss`` group is :class:`SelectionConfig` plus
+:class:`AlignmentConfig`. The student's weights load with ``use_safetensors=True`` and remote code
+runs only when ``student.trust_remote_code`` is set. Batch geometry: ``micro_batch_size`` sequences
+per process per forward pass, and either ``global_batch_tokens`` (accumulation follows from the
+world size) or ``gradient_accumulation_steps``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from pipeline.train_student.align import AGGREGATIONS
-from pipeline.train_student.guided_loss import MODES, RANK_OVER, UNMAPPED, SelectionConfig
+from typing import Mapping
+
+from pipeline.config import build, check_at_least, check_choice, defaults, raise_if
 from pipeline.identity import model_identity
-from storage_schemas.reader import ON_BAD_SHARD, VERIFY, data_identity_differences, open_scored_dataset
+from pipeline.score_teacher.teacher_source import looks_local
 from pipeline.score_teacher.writer import exclusive_writer
-from pipeline.train_student.data import ALIGNMENTS, AlignmentConfig, PackingConfig, StudentData, build_student_data
 from pipeline.tokenization import fingerprint, load_tokenizer
-from storage_schemas import write_json_atomic
-from storage_schemas.scored import iter_identity_differences
+from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchError: the run's refusal)
+    RunMismatchError,
+    checkpoint_step,
+    prepare_run_folder,
+    resolve_checkpoint,
+    save_final,
+    trainer_state,
+)
+from pipeline.train_student.data import AlignmentConfig, PackingConfig, StudentData, build_student_data
+from pipeline.train_student.guided_loss import SelectionConfig
+from storage_schemas.reader import ON_BAD_SHARD, VERIFY, open_scored_dataset
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-RESUME_KEYWORDS = ("auto", "never")
-RUN_NAME = "run.json"
-FINAL_NAME = "final"
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,6 +65,11 @@ class StudentConfig:
     attn_implementation: str | None = None  # e.g. sdpa, flash_attention_2
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_at_least(found, "seq_len", self.seq_len, 1)
+        return found
 
 
 @dataclass(frozen=True)
@@ -103,22 +88,14 @@ class DataConfig:
     prefetch_factor: int | None = None
     length_workers: int = 1  # processes for the one-off token count pass
 
-
-@dataclass(frozen=True)
-class LossConfig:
-    mode: str = "guided"  # guided | cpt | random
-    ratio: float = 0.4  # top-k share of mapped tokens (guided, random)
-    rank_over: str = "batch"  # batch | sequence
-    unmapped: str = "include"  # include | exclude
-    aggregate: str = "max"  # max | mean | min
-    alignment: str = "token"  # token | chunk | one_to_one
-    n_chunks: int = 8  # C for chunk-level alignment
-
-    def selection(self) -> SelectionConfig:
-        return SelectionConfig(mode=self.mode, ratio=self.ratio, rank_over=self.rank_over, unmapped=self.unmapped)
-
-    def alignment_config(self) -> AlignmentConfig:
-        return AlignmentConfig(method=self.alignment, aggregate=self.aggregate, n_chunks=self.n_chunks)
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "on_bad_shard", self.on_bad_shard, ON_BAD_SHARD)
+        check_choice(found, "verify", self.verify, VERIFY)
+        check_at_least(found, "epochs", self.epochs, 1)
+        if not self.folders:
+            found.append("folders: no scored dataset folder given")
+        return found
 
 
 @dataclass(frozen=True)
@@ -136,7 +113,7 @@ class TrainConfig:
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    precision: str = "auto"  # auto: bf16 on a GPU that supports it, else fp32
+    precision: str = "auto"  # auto: bf16 on a GPU that supports it, else fp32 | bf16 | fp16 | fp32
     save_dtype: str = "auto"  # the final model's weights; auto: the training precision (bf16 on GPUs)
     seed: int = 0
     logging_steps: int = 10
@@ -152,6 +129,18 @@ class TrainConfig:
     cpu_threads: int | None = None  # torch intra-op threads while training (None: torch's default)
     max_nonfinite_in_a_row: int = 5  # skipped (non-finite) optimizer steps in a row before the run stops
 
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "precision", self.precision, PRECISIONS)
+        check_choice(found, "save_dtype", self.save_dtype, SAVE_DTYPES)
+        for name in ("micro_batch_size", "logging_steps", "save_steps", "max_nonfinite_in_a_row"):
+            check_at_least(found, name, getattr(self, name), 1)
+        if self.max_steps is not None and self.max_tokens is not None:
+            found.append("max_steps: set max_steps or max_tokens, not both")
+        if self.min_learning_rate > self.learning_rate:
+            found.append(f"min_learning_rate: {self.min_learning_rate} exceeds train.learning_rate {self.learning_rate}")
+        return found
+
 
 # Train settings that do not change what is computed: they may differ on a resume.
 OPERATIONAL = ("logging_steps", "save_steps", "save_total_limit", "resume", "progress", "report_to",
@@ -162,10 +151,11 @@ OPERATIONAL = ("logging_steps", "save_steps", "save_total_limit", "resume", "pro
 class TrainJobConfig:
     student: StudentConfig
     data: DataConfig
-    loss: LossConfig
     train: TrainConfig
     output_dir: str
     overwrite: bool = False  # delete this run's checkpoints and metrics first
+    selection: SelectionConfig = field(default_factory=SelectionConfig)  # the config's loss.mode, ratio, ...
+    alignment: AlignmentConfig = field(default_factory=AlignmentConfig)  # loss.alignment, aggregate, n_chunks
 
     def recipe(self) -> dict:
         """What a resumed run must share with the interrupted one (``run.json``)."""
@@ -173,36 +163,19 @@ class TrainJobConfig:
                 if k not in ("folders", "num_workers", "prefetch_factor", "length_workers", "cache_dir")}
         train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL}
         student = {k: v for k, v in asdict(self.student).items() if k != "name"}
-        return {"student": student, "data": data, "loss": asdict(self.loss), "train": train}
+        loss = {**asdict(self.selection), "aggregate": self.alignment.aggregate,
+                "alignment": self.alignment.method, "n_chunks": self.alignment.n_chunks}
+        return {"student": student, "data": data, "loss": loss, "train": train}
 
 
 def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
-    """Every problem of the configuration, as readable lines (empty when it is valid)."""
+    """Every problem of the configuration, as readable lines (empty when it is valid): each
+    group's own, and the batch geometry for ``world_size`` processes."""
     p: list[str] = []
-    loss, train, data = job.loss, job.train, job.data
-    for where, value, choices in (
-        ("loss.mode", loss.mode, MODES), ("loss.rank_over", loss.rank_over, RANK_OVER),
-        ("loss.unmapped", loss.unmapped, UNMAPPED), ("loss.aggregate", loss.aggregate, AGGREGATIONS),
-        ("loss.alignment", loss.alignment, ALIGNMENTS), ("data.on_bad_shard", data.on_bad_shard, ON_BAD_SHARD),
-        ("data.verify", data.verify, VERIFY), ("train.precision", train.precision, PRECISIONS),
-        ("train.save_dtype", train.save_dtype, SAVE_DTYPES),
-    ):
-        if value not in choices:
-            p.append(f"{where}: {value!r} is not one of {', '.join(choices)}")
-    if not 0.0 < loss.ratio <= 1.0:
-        p.append(f"loss.ratio: {loss.ratio} is not in (0, 1]")
-    for where, value in (("loss.n_chunks", loss.n_chunks), ("student.seq_len", job.student.seq_len),
-                         ("train.micro_batch_size", train.micro_batch_size), ("data.epochs", data.epochs),
-                         ("train.logging_steps", train.logging_steps), ("train.save_steps", train.save_steps),
-                         ("train.max_nonfinite_in_a_row", train.max_nonfinite_in_a_row)):
-        if value < 1:
-            p.append(f"{where}: {value} must be >= 1")
-    if not data.folders:
-        p.append("data.folders: no scored dataset folder given")
-    if train.max_steps is not None and train.max_tokens is not None:
-        p.append("train.max_steps and train.max_tokens: set one of them, not both")
-    if train.min_learning_rate > train.learning_rate:
-        p.append(f"train.min_learning_rate {train.min_learning_rate} exceeds train.learning_rate {train.learning_rate}")
+    for where, part in (("student", job.student), ("data", job.data), ("train", job.train),
+                        ("loss", job.selection)):
+        p += [f"{where}.{line}" for line in part.problems()]
+    p += [f"loss.{line.replace('method:', 'alignment:', 1)}" for line in job.alignment.problems()]
     try:
         batch_geometry(job, world_size)
     except ValueError as exc:
@@ -210,15 +183,90 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
     return p
 
 
+# The job's configuration as a config file writes it (conf/train_student.yaml). The ``loss`` group
+# is SelectionConfig's fields plus AlignmentConfig's, its ``method`` written ``loss.alignment``.
+LOSS_ALIGNMENT_KEYS = {"alignment": "method"}
+STUDENT_RECIPE_KEYS = ("embedded", "build")  # the embedded student's build, for the front end
+DATA_NAMING_KEYS = ("corpus", "teacher")  # name the default folders and the run
+FRONT_END_KEYS = ("artifacts_dir", "scored_root", "student_root", "run_name", "hydra")
+
+
+def config_defaults() -> dict:
+    """Every setting of the job with its default, as the config file is laid out; the YAML files
+    override these."""
+    return {
+        "student": defaults(StudentConfig),
+        "data": defaults(DataConfig),
+        "loss": {**defaults(SelectionConfig), **defaults(AlignmentConfig, rename=LOSS_ALIGNMENT_KEYS)},
+        "train": defaults(TrainConfig),
+        **defaults(TrainJobConfig, drop=("student", "data", "train", "selection", "alignment")),
+    }
+
+
+def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConfig:
+    """The typed job from a composed config (plain mapping). Every problem is reported in one
+    :class:`pipeline.config.ConfigError`: unknown keys, wrong types, bad choices and ranges in
+    every group and the batch geometry for one process (checked again for the real world size);
+    with ``check_files``, also scored folders that do not exist and a local student that does not
+    (unless it is the embedded one, built later). Local paths become absolute."""
+    problems: list[str] = []
+    student_values, loss = dict(values.get("student") or {}), dict(values.get("loss") or {})
+    selection_keys = set(defaults(SelectionConfig))
+    parts = {
+        "student": build(StudentConfig, student_values, "student", problems, drop=STUDENT_RECIPE_KEYS),
+        "data": build(DataConfig, values.get("data"), "data", problems, drop=DATA_NAMING_KEYS),
+        "train": build(TrainConfig, values.get("train"), "train", problems),
+        "selection": build(SelectionConfig, {k: v for k, v in loss.items() if k in selection_keys}, "loss", problems),
+        "alignment": build(AlignmentConfig, {k: v for k, v in loss.items() if k not in selection_keys}, "loss",
+                           problems, rename=LOSS_ALIGNMENT_KEYS),
+    }
+    top = {k: v for k, v in values.items() if k not in ("student", "data", "train", "loss", *FRONT_END_KEYS)}
+    job = build(TrainJobConfig, {**top, **{k: v for k, v in parts.items() if v is not None}}, "", problems,
+                assume=parts)
+    if parts["train"] is not None and parts["student"] is not None:
+        try:
+            _geometry(parts["train"], parts["student"].seq_len, world_size=1)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if check_files:  # from the values as written: a bad value elsewhere in the group does not hide them
+        data_values = values.get("data") or {}
+        problems += file_problems(data_values.get("folders"), student_values.get("model"),
+                                  embedded_student=bool(student_values.get("embedded")))
+    raise_if(problems)
+    embedded = bool(student_values.get("embedded"))
+    model = job.student.model
+    data = job.data
+    return replace(
+        job, output_dir=os.path.abspath(job.output_dir),
+        student=replace(job.student, model=os.path.abspath(model)) if embedded or Path(model).exists() else job.student,
+        data=replace(data, folders=[os.path.abspath(f) for f in data.folders],
+                     cache_dir=os.path.abspath(data.cache_dir) if data.cache_dir else None),
+    )
+
+
+def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
+    """Scored folders that do not exist, and a student given as a local path that does not."""
+    found = [f"data.folders: scored dataset folder not found: {f} (score the corpus first: make "
+             "score-teacher with the same teacher and data, or point data.folders at a scored dataset)"
+             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not Path(f).is_dir()]
+    if (isinstance(model, str) and model and not embedded_student and looks_local(model)
+            and not os.path.exists(os.path.expanduser(model))):
+        found.append(f"student.model: no such local folder: {model}")
+    return found
+
+
 def batch_geometry(job: TrainJobConfig, world_size: int) -> tuple[int, int]:
     """``(gradient_accumulation_steps, tokens per optimizer step)`` for ``world_size`` processes."""
-    t = job.train
-    per_pass = t.micro_batch_size * job.student.seq_len * world_size  # tokens of one forward on all ranks
+    return _geometry(job.train, job.student.seq_len, world_size)
+
+
+def _geometry(t: TrainConfig, seq_len: int, world_size: int) -> tuple[int, int]:
+    per_pass = t.micro_batch_size * seq_len * world_size  # tokens of one forward on all ranks
     if t.global_batch_tokens is not None:
         if t.global_batch_tokens % per_pass:
             raise ValueError(
                 f"train.global_batch_tokens {t.global_batch_tokens} is not a multiple of micro_batch_size x seq_len "
-                f"x processes = {t.micro_batch_size} x {job.student.seq_len} x {world_size} = {per_pass}"
+                f"x processes = {t.micro_batch_size} x {seq_len} x {world_size} = {per_pass}"
             )
         accumulation = t.global_batch_tokens // per_pass
         if t.gradient_accumulation_steps not in (None, accumulation):
@@ -282,13 +330,13 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
 
     if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
         lock.enter_context(exclusive_writer(job.output_dir, what="training run"))
-    checkpoint = resolve_checkpoint(job, identity, student)
+    checkpoint = resolve_checkpoint(job.output_dir, job.train.resume, job.overwrite, job.recipe(), identity, student)
     with args.main_process_first(local=False, desc="run folder"):
         if args.process_index == 0:
-            prepare_run_folder(job, checkpoint, student)
+            prepare_run_folder(job.output_dir, job.overwrite, checkpoint, job.recipe(), student)
 
     trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks)
-    final = save_final(trainer, job, identity)
+    final = save_final(trainer, job.output_dir, identity, final_dtype(job.train))
     return _summary(job, trainer, data, checkpoint, start_step, tokens_per_step, final, time.perf_counter() - t0)
 
 
@@ -302,9 +350,10 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     raises :class:`NonFiniteLossError` (after its checkpoint is saved). Returns the trainer and the
     step it started from.
     """
-    from pipeline.train_student.trainer import NonFiniteGuard, NonFiniteLossError, read_guard_state
+    from pipeline.train_student.checkpoints import read_guard_state
+    from pipeline.train_student.trainer import NonFiniteGuard, NonFiniteLossError
 
-    start_step = _checkpoint_step(checkpoint)
+    start_step = checkpoint_step(checkpoint)
     finished = start_step >= args.max_steps
     student = replace(job.student, model=checkpoint, revision=None) if finished else job.student
     guard = NonFiniteGuard(max_in_a_row=job.train.max_nonfinite_in_a_row)
@@ -312,7 +361,7 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks)
     if finished:
         log.info("%s is at step %d of %d: nothing to train", checkpoint, start_step, args.max_steps)
-        trainer.state.log_history = _trainer_state(checkpoint).get("log_history", [])
+        trainer.state.log_history = trainer_state(checkpoint).get("log_history", [])
         trainer.state.global_step = start_step
     else:
         with _cpu_threads(job.train.cpu_threads):
@@ -338,7 +387,7 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
 def prepare_data(job: TrainJobConfig, tokenizer) -> StudentData:
     d = job.data
     scored = open_scored_dataset(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
-    return build_student_data(scored, tokenizer, _packing(job), job.loss.alignment_config(), cache_dir=d.cache_dir,
+    return build_student_data(scored, tokenizer, _packing(job), job.alignment, cache_dir=d.cache_dir,
                               num_proc=d.length_workers, on_bad_shard=d.on_bad_shard)
 
 
@@ -365,116 +414,6 @@ def _number_of_steps(job: TrainJobConfig, data: StudentData, world_size: int, ac
             "Ask for fewer steps, a smaller batch, or more passes (data.epochs)."
         )
     return steps
-
-
-# ---- the run folder -------------------------------------------------------------------------
-
-
-class RunMismatchError(RuntimeError):
-    """The run folder holds a run with another recipe or other data; resuming would not be exact."""
-
-
-def checkpoint_folders(out: str | os.PathLike) -> tuple[list[Path], list[Path]]:
-    """``(complete, incomplete)`` checkpoint folders of a run folder, by step."""
-    from pipeline.train_student.trainer import is_complete_checkpoint
-
-    out = Path(out)
-    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
-    found.sort(key=lambda p: int(p.name.split("-", 1)[1]))
-    return [p for p in found if is_complete_checkpoint(p)], [p for p in found if not is_complete_checkpoint(p)]
-
-
-def resolve_checkpoint(job: TrainJobConfig, identity: dict, student: dict | None = None) -> str | None:
-    """The checkpoint to resume from (``train.resume``), after checking it continues this run;
-    ``student`` is the student model's identity (:func:`pipeline.identity.model_identity`)."""
-    from pipeline.train_student.trainer import is_complete_checkpoint
-
-    out = Path(job.output_dir)
-    complete, incomplete = checkpoint_folders(out) if out.is_dir() and not job.overwrite else ([], [])
-    latest = str(complete[-1]) if complete else None
-    if incomplete:
-        log.warning("ignoring incomplete checkpoint(s) %s (the process died while saving)",
-                    ", ".join(p.name for p in incomplete))
-    resume = job.train.resume
-    if resume == "never":
-        if latest:
-            raise RunMismatchError(f"{out} already holds checkpoints ({Path(latest).name}); resume=never refuses "
-                                   "to train over them. Use resume=auto, another run name, or overwrite=true.")
-        return None
-    checkpoint = latest if resume == "auto" else resume
-    if checkpoint is None:
-        return None
-    if not Path(checkpoint).is_dir():
-        raise FileNotFoundError(f"train.resume: checkpoint {checkpoint} not found")
-    if not is_complete_checkpoint(checkpoint):
-        raise RunMismatchError(f"cannot resume {checkpoint}: it is incomplete (no checkpoint_complete.json; the "
-                               "process died while saving it). Resume from an earlier checkpoint.")
-    problems = _resume_differences(job, identity, Path(checkpoint), student)
-    if problems:
-        raise RunMismatchError(
-            f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems)
-            + "\nUse another run name, or overwrite=true to start this run afresh."
-        )
-    return str(checkpoint)
-
-
-def _resume_differences(job: TrainJobConfig, identity: dict, checkpoint: Path, student: dict | None) -> list[str]:
-    from pipeline.train_student.trainer import read_data_identity
-
-    problems = []
-    run_file = checkpoint.parent / RUN_NAME
-    if run_file.is_file():
-        record = json.loads(run_file.read_text())
-        recorded, now = record.get("recipe", {}), _jsonable(job.recipe())
-        if record.get("student") is not None and student is not None:
-            # the student is compared by what it is; its paths only say where it was
-            recorded, now = _without_student_paths(recorded), _without_student_paths(now)
-            problems += [f"student {d}" for d in iter_identity_differences(record["student"], student)]
-        problems += [f"recipe {d}" for d in iter_identity_differences(recorded, now)]
-    recorded_data = read_data_identity(checkpoint)
-    if recorded_data is None:
-        problems.append(f"{checkpoint} has no data_identity.json")
-    else:
-        problems += [f"data {d}" for d in data_identity_differences(recorded_data, identity)]
-    return [p if len(p) <= 300 else p[:297] + "..." for p in problems]  # shard lists can be long
-
-
-def _without_student_paths(recipe: dict) -> dict:
-    student = {k: v for k, v in (recipe.get("student") or {}).items() if k not in ("model", "tokenizer")}
-    return {**recipe, "student": student}
-
-
-def _jsonable(obj):
-    return json.loads(json.dumps(obj))
-
-
-def prepare_run_folder(job: TrainJobConfig, checkpoint: str | None, student: dict | None = None) -> None:
-    """Create the folder, clear it when ``overwrite``, delete incomplete checkpoints (left by a
-    process killed while saving) and record the recipe and the student's identity (main process
-    only)."""
-    out = Path(job.output_dir)
-    for path in checkpoint_folders(out)[1] if out.is_dir() else []:
-        log.warning("deleting incomplete checkpoint %s", path)
-        shutil.rmtree(path)
-    if job.overwrite and out.is_dir():
-        for path in out.iterdir():
-            if path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, "runs"):
-                shutil.rmtree(path)
-            elif path.name in (RUN_NAME, "metrics.jsonl", "summary.json"):
-                path.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    if checkpoint is None or not (out / RUN_NAME).is_file():
-        write_json_atomic(out / RUN_NAME, {"recipe": job.recipe(), "student": student, "output_dir": str(out)})
-
-
-def _trainer_state(checkpoint: str | None) -> dict:
-    return json.loads((Path(checkpoint) / "trainer_state.json").read_text()) if checkpoint else {}
-
-
-def _checkpoint_step(checkpoint: str | None) -> int:
-    return int(_trainer_state(checkpoint).get("global_step", 0))
-
-
 
 
 # ---- model and trainer ----------------------------------------------------------------------
@@ -581,7 +520,8 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
 
 
 def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks):
-    from pipeline.train_student.trainer import METRICS_NAME, CheckpointRecordCallback, GuidedTrainer, JsonlMetricsCallback
+    from pipeline.train_student.checkpoints import METRICS_NAME
+    from pipeline.train_student.trainer import CheckpointRecordCallback, GuidedTrainer, JsonlMetricsCallback
     from pipeline.train_student.data import collate_packed
 
     return GuidedTrainer(
@@ -592,27 +532,7 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
         processing_class=tokenizer,
         callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), CheckpointRecordCallback(identity, guard),
                    *(callbacks or [])],
-        selection=job.loss.selection(),
+        selection=job.selection,
         seed=job.train.seed,
         guard=guard,
     )
-
-
-def save_final(trainer, job: TrainJobConfig, identity: dict) -> Path:
-    """``save_pretrained`` model (in :func:`final_dtype`; training is over, so the model is cast in
-    place) and tokenizer in ``<output_dir>/final``, with the data identity.
-    Written as ``.final.tmp`` and renamed: ``final`` is whole or absent, even after a kill."""
-    from pipeline.train_student.trainer import write_data_identity
-
-    final = Path(job.output_dir) / FINAL_NAME
-    tmp = final.with_name(f".{FINAL_NAME}.tmp")
-    if trainer.is_world_process_zero() and tmp.exists():
-        shutil.rmtree(tmp)
-    trainer.model.to(final_dtype(job.train))
-    trainer.save_model(str(tmp))  # model (safetensors) and the processing class (tokenizer)
-    if trainer.is_world_process_zero():
-        write_data_identity(tmp, identity)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    return final

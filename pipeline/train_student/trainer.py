@@ -1,54 +1,26 @@
-"""The Hugging Face ``Trainer`` with the teacher-guided loss, its metrics and its records.
+"""The Hugging Face ``Trainer`` with the teacher-guided loss (docs/METHOD.md §2.2), its metrics and
+its checkpoint records.
 
-:class:`GuidedTrainer` changes three things of ``transformers.Trainer``:
+:class:`GuidedTrainer` changes ``transformers.Trainer`` in four ways:
 
-* ``compute_loss`` runs the student on ``input_ids`` and hands its logits to
-  :func:`pipeline.train_student.guided_loss.guided_loss` with the batch's ``labels`` (already the next token of
-  each position: the data is packed with the shift done, see :mod:`pipeline.train_student.data`, so
-  nothing is shifted here), ``teacher_loss`` and ``mapped``. The loss is a per-micro-batch mean
-  (``loss_is_scaled_for_ga = False``: the Trainer divides it by the accumulation steps), so with
-  gradient accumulation and with several processes every micro-batch selects its own top k%;
-  METHOD 2.2 asks for this to be documented: the selection is per micro-batch and per rank.
-* the training sampler is sequential: the dataset is already in its shuffled order, and a
-  sequential sampler makes the Trainer's resume (skip the batches already trained, without loading
-  them) land exactly on the next sample.
-* every logging step adds token-weighted statistics of the selection, summed over the
-  micro-batches and processes since the last log: ``loss_kept`` (student loss on the trained
-  tokens), ``loss_all`` (on all tokens), ``kept_fraction``, ``mapped_fraction``,
-  ``teacher_loss_kept`` / ``teacher_loss_dropped`` (mean ``L_t`` of selected / not selected mapped
-  tokens), ``excess_loss`` (mean ``l_s - L_t`` over mapped tokens), ``tokens_per_s`` (all
-  processes, wall clock between logs), ``tokens_seen`` and ``sample_first``/``sample_last`` (the
-  range of sample indices trained since the last log). The Trainer adds ``loss``,
-  ``learning_rate``, ``grad_norm`` and ``epoch``.
+* ``compute_loss`` hands the student's logits to :func:`pipeline.train_student.guided_loss.guided_loss`
+  with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.train_student.data`),
+  ``teacher_loss`` and ``mapped``. The loss is a per-micro-batch mean, so the top k% is selected
+  per micro-batch and per rank, see docs/METHOD.md §2.2. ``random`` mode seeds its draw with
+  ``(seed, step, micro-batch, rank)``, so a resumed run draws the same tokens.
+* the sampler is sequential: the dataset is already in its shuffled order, so the Trainer's resume
+  (skip the batches already trained) lands exactly on the next sample.
+* every log adds token-weighted statistics of the selection since the last log (``loss_kept``,
+  ``loss_all``, ``kept_fraction``, ``mapped_fraction``, ``teacher_loss_kept``/``_dropped``,
+  ``excess_loss``, ``tokens_per_s``, ``tokens_seen``, ``sample_first``/``sample_last``).
+* a step whose loss (any micro-batch, any rank) or gradient is not finite is skipped whole: the
+  optimizer does nothing, while the step still counts (batches consumed, schedule advanced), so a
+  resumed run stays exact. After ``max_in_a_row`` such steps in a row the trainer saves a
+  checkpoint and stops; the run then raises :class:`NonFiniteLossError`. With fp16 the gradient
+  scaler keeps handling overflow itself; only non-finite losses count there.
 
-* a step with a non-finite loss or gradient is skipped (:class:`NonFiniteGuard`, below).
-
-``random`` mode draws its tokens from a generator seeded with ``(seed, step, micro-batch, rank)``,
-so a resumed run draws the same tokens. Callbacks write the metrics as JSON lines
-(:class:`JsonlMetricsCallback`) and, into every checkpoint, the scored dataset's identity and a
-completion marker (:class:`CheckpointRecordCallback`).
-
-Non-finite steps
-----------------
-After the backward pass of a step's last micro-batch (gradients complete, not yet clipped), the
-step is checked: if the loss of *any* of its micro-batches, on any process, or the gradient norm
-is not finite, the whole optimizer step is skipped: ``optimizer.step()`` is not called, so the
-weights, AdamW's moments, its step count and weight decay all stay exactly as they were (with
-gradient accumulation one bad micro-batch discards the step's other micro-batches too). The
-step still counts: its batches are consumed, ``global_step`` and the learning-rate schedule
-advance, so the schedule stays a function of the step number and a resumed run stays exact.
-Skipped steps are logged (a warning per step; ``nonfinite_steps``, the run's total so far, and
-``skipped_steps``, those since the last log, in every log record) and kept in the checkpoints. The
-statistics of the selection (``loss_kept``...) cover the applied steps only. After
-``max_in_a_row`` skipped steps in a row the trainer saves a checkpoint (its weights are those of
-the last applied step) and stops; :func:`pipeline.train_student.run.run_training` then raises
-:class:`NonFiniteLossError` naming the steps, their samples and the checkpoint. With fp16 the
-gradient scaler keeps handling gradient overflow itself (scaled gradients overflow by design);
-only non-finite losses are counted there.
-
-Checkpoints are complete when ``checkpoint_complete.json`` exists: it is written last, after the
-Trainer's files and the data identity, so a process killed while saving leaves a folder without
-it, which :mod:`pipeline.train_student.run` never resumes from.
+Callbacks write the metrics as JSON lines and complete every checkpoint with the data identity
+and its marker (:mod:`pipeline.train_student.checkpoints`).
 """
 
 from __future__ import annotations
@@ -65,13 +37,10 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
+from pipeline.train_student.checkpoints import mark_complete
 from pipeline.train_student.guided_loss import SelectionConfig, guided_loss
 
 log = logging.getLogger(__name__)
-
-DATA_IDENTITY_NAME = "data_identity.json"
-COMPLETE_NAME = "checkpoint_complete.json"
-METRICS_NAME = "metrics.jsonl"
 
 # Running sums kept on the device between logging steps (no host synchronisation per step).
 _SUMS = ("tokens", "n_valid", "n_mapped", "n_selected", "n_kept", "loss_kept", "loss_all",
@@ -340,30 +309,4 @@ class CheckpointRecordCallback(TrainerCallback):
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if folder.is_dir():
-                write_data_identity(folder, self.identity)
-                _write_json(folder / COMPLETE_NAME, {"step": state.global_step, "nonfinite": self.guard.state()})
-
-
-def is_complete_checkpoint(folder: str | os.PathLike) -> bool:
-    return (Path(folder) / COMPLETE_NAME).is_file()
-
-
-def read_guard_state(folder: str | os.PathLike | None) -> dict | None:
-    """The :class:`NonFiniteGuard` state recorded in a complete checkpoint (None: none)."""
-    path = Path(folder) / COMPLETE_NAME if folder else None
-    return json.loads(path.read_text()).get("nonfinite") if path and path.is_file() else None
-
-
-def write_data_identity(folder: str | os.PathLike, identity: dict) -> None:
-    _write_json(Path(folder) / DATA_IDENTITY_NAME, identity)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    from storage_schemas import write_json_atomic
-
-    write_json_atomic(path, obj)
-
-
-def read_data_identity(folder: str | os.PathLike) -> dict | None:
-    path = Path(folder) / DATA_IDENTITY_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+                mark_complete(folder, self.identity, state.global_step, self.guard.state())

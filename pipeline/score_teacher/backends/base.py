@@ -13,9 +13,16 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from pipeline.config import check_choice
+
+
+BACKENDS = ("transformers", "vllm")
+
 
 @dataclass(frozen=True)
 class ScorerConfig:
+    """How the teacher is run (docs/METHOD.md §1.2); model, revision and window come from the teacher."""
+
     backend: str = "transformers"  # transformers | vllm
     model: str = ""  # hub id or local folder
     revision: str | None = None
@@ -34,6 +41,11 @@ class ScorerConfig:
     max_num_seqs: int = 256  # requests per engine step; max_num_batched_tokens must be >= this
     tensor_parallel_size: int = 1
     seed: int = 0
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "backend", self.backend, BACKENDS)
+        return found
 
 
 class WindowScorer(Protocol):

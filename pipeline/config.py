@@ -1,0 +1,169 @@
+"""Typed configs from plain mappings, every problem reported at once.
+
+Each stage's settings are frozen dataclasses: their defaults are the one place a default lives,
+and a ``problems()`` method lists what is wrong with a value (a choice not among the allowed ones,
+a number out of range) as ``"field: text"`` lines. :func:`build` turns a mapping (a composed YAML
+config, a test's dict) into such a dataclass and collects, in one list, unknown keys, missing
+required keys, values of the wrong type and the dataclass's own problems, so a typo in one key
+never hides a bad value beside it. :func:`defaults` gives the mapping of defaults that a config
+front end (Hydra in ``stages/``) lays under its YAML, which then only overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Iterable, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; the message lists every one."""
+
+
+def raise_if(problems: list[str]) -> None:
+    """Raise :class:`ConfigError` when there are ``problems``: one problem as one line, several
+    listed one per line."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def check_choice(problems: list[str], name: str, value: Any, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        problems.append(f"{name}: {value!r} is not one of {', '.join(choices)}")
+
+
+def check_at_least(problems: list[str], name: str, value: Any, low: int) -> None:
+    if value is not None and value < low:
+        problems.append(f"{name}: {value} must be >= {low}")
+
+
+def refuse(obj: Any) -> None:
+    """For ``__post_init__``: a dataclass built directly in code raises on its first problem."""
+    found = obj.problems()
+    if found:
+        raise ValueError("; ".join(found))
+
+
+def build(cls: type[T], values: Mapping[str, Any] | None, where: str, problems: list[str], *,
+          drop: Iterable[str] = (), rename: Mapping[str, str] | None = None,
+          assume: Iterable[str] = ()) -> T | None:
+    """Dataclass ``cls`` from ``values``; each problem is appended to ``problems`` as
+    ``"<where>.<key>: ..."``. Keys in ``drop`` are ignored (they belong to another consumer);
+    ``rename`` maps a key as written to its field name; fields in ``assume`` are not reported
+    missing (they were built elsewhere and failed there). Fields typed as a dataclass accept an
+    instance or a mapping (built recursively). Returns None when anything is wrong."""
+    rename = dict(rename or {})
+    shown = {field: key for key, field in rename.items()}  # field name -> the key as written
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {rename.get(k, k): v for k, v in (values or {}).items() if k not in set(drop)}
+    prefix = f"{where}." if where else ""
+    own: list[str] = []
+
+    known = sorted(shown.get(n, n) for n in fields)
+    for key in sorted(set(values) - set(fields)):
+        own.append(f"{prefix}{shown.get(key, key)}: unknown key (known: {', '.join(known)})")
+    for name, f in fields.items():
+        if (name not in values and name not in set(assume) and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING):
+            own.append(f"{prefix}{shown.get(name, name)}: required")
+
+    good: dict[str, Any] = {}
+    mistyped: list[str] = []
+    for name in sorted(set(values) & set(fields)):
+        value, hint = values[name], hints[name]
+        if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            value = build(hint, value, f"{prefix}{shown.get(name, name)}", own)
+            if value is None:
+                continue
+        if _fits(value, hint):
+            good[name] = value
+        else:
+            own.append(f"{prefix}{shown.get(name, name)}: {value!r} is not {_describe(hint)}")
+            mistyped.append(name)
+
+    required_missing = any(n not in good and fields[n].default is dataclasses.MISSING
+                           and fields[n].default_factory is dataclasses.MISSING for n in fields)
+    if not required_missing and hasattr(cls, "problems"):
+        for line in _unchecked(cls, good).problems():  # checked before construction: every problem, not the first
+            head, sep, text = line.partition(":")
+            if any(name in line for name in mistyped):
+                continue  # compared with the default standing in for a value of the wrong type
+            own.append(f"{prefix}{shown.get(head, head)}{sep}{text}" if head in fields else f"{prefix}{line}")
+    problems.extend(own)
+    return None if own or required_missing else cls(**good)
+
+
+def defaults(cls: type, drop: Iterable[str] = (), rename: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The defaults of dataclass ``cls`` as a plain mapping (fields without a default left out,
+    dataclass-typed fields as nested mappings), keyed as the config is written."""
+    rename = {field: key for key, field in (rename or {}).items()}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in set(drop):
+            continue
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            continue
+        out[rename.get(f.name, f.name)] = defaults(type(value)) if dataclasses.is_dataclass(value) else value
+    return out
+
+
+def _unchecked(cls: type[T], values: dict[str, Any]) -> T:
+    """An instance of ``cls`` with ``values`` and the defaults, without running ``__post_init__``."""
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in values:
+            value = values[f.name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            value = f.default_factory()
+        object.__setattr__(obj, f.name, value)
+    return obj
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and (not args or all(_fits(v, args[0]) for v in value))
+    if origin is dict or hint is dict:
+        return isinstance(value, Mapping)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint)
+    return True  # a type this checker does not know: the dataclass's own checks decide
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if hint is type(None):
+        return "null"
+    if origin in (list, tuple):
+        return f"a list of {_describe(args[0])}" if args else "a list"
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))

@@ -1,0 +1,185 @@
+"""The run folder of a student run: which checkpoint to resume, when to refuse, what marks a
+checkpoint or the final model complete (docs/METHOD.md §2.5).
+
+A run folder holds ``run.json`` (the recipe and the student's identity), ``checkpoint-<step>/``
+(the Trainer's files, ``data_identity.json`` and, written last, ``checkpoint_complete.json``),
+``metrics.jsonl``, ``runs/`` (TensorBoard), ``final/`` (written under a temporary name and
+renamed, so it is whole or absent) and ``summary.json``.
+
+A checkpoint without its completion marker was being written when the process died: it is never
+resumed from and is deleted when the folder is prepared. A resume is refused when the recipe or
+the data identity differs from the checkpoint's, so a resumed run sees exactly the batches the
+interrupted one would have seen. Both are compared by content, not location: the student by its
+digests or hub id (:func:`pipeline.identity.model_identity`), the scored data by identity and shard
+sha256 (:func:`storage_schemas.reader.data_identity_differences`), so a moved project resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from storage_schemas import write_json_atomic
+from storage_schemas.reader import data_identity_differences
+from storage_schemas.scored import iter_identity_differences
+
+log = logging.getLogger(__name__)
+
+RUN_NAME = "run.json"
+FINAL_NAME = "final"
+METRICS_NAME = "metrics.jsonl"
+DATA_IDENTITY_NAME = "data_identity.json"
+COMPLETE_NAME = "checkpoint_complete.json"
+
+
+class RunMismatchError(RuntimeError):
+    """The run folder holds a run with another recipe or other data; resuming would not be exact."""
+
+
+# ---- markers ---------------------------------------------------------------------------------
+
+
+def is_complete_checkpoint(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / COMPLETE_NAME).is_file()
+
+
+def mark_complete(folder: str | os.PathLike, identity: dict, step: int, guard_state: dict) -> None:
+    """Complete a checkpoint the Trainer saved: the scored data's identity, then the marker (the
+    step and the non-finite guard's state), written last."""
+    write_data_identity(folder, identity)
+    write_json_atomic(Path(folder) / COMPLETE_NAME, {"step": step, "nonfinite": guard_state})
+
+
+def read_guard_state(folder: str | os.PathLike | None) -> dict | None:
+    """The non-finite guard's state recorded in a complete checkpoint (None: none)."""
+    path = Path(folder) / COMPLETE_NAME if folder else None
+    return json.loads(path.read_text()).get("nonfinite") if path and path.is_file() else None
+
+
+def write_data_identity(folder: str | os.PathLike, identity: dict) -> None:
+    write_json_atomic(Path(folder) / DATA_IDENTITY_NAME, identity)
+
+
+def read_data_identity(folder: str | os.PathLike) -> dict | None:
+    path = Path(folder) / DATA_IDENTITY_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def trainer_state(checkpoint: str | None) -> dict:
+    return json.loads((Path(checkpoint) / "trainer_state.json").read_text()) if checkpoint else {}
+
+
+def checkpoint_step(checkpoint: str | None) -> int:
+    return int(trainer_state(checkpoint).get("global_step", 0))
+
+
+# ---- discovery and refusal -------------------------------------------------------------------
+
+
+def checkpoint_folders(out: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """``(complete, incomplete)`` checkpoint folders of a run folder, by step."""
+    out = Path(out)
+    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    found.sort(key=lambda p: int(p.name.split("-", 1)[1]))
+    return [p for p in found if is_complete_checkpoint(p)], [p for p in found if not is_complete_checkpoint(p)]
+
+
+def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: dict, identity: dict,
+                       student: dict | None = None) -> str | None:
+    """The checkpoint to resume from: ``resume`` is ``auto`` (the newest complete one, if any),
+    ``never`` (refuse a folder that has checkpoints) or a checkpoint folder; it must continue this
+    run (``recipe``, data ``identity``, ``student`` identity), else :class:`RunMismatchError`."""
+    out = Path(output_dir)
+    complete, incomplete = checkpoint_folders(out) if out.is_dir() and not overwrite else ([], [])
+    latest = str(complete[-1]) if complete else None
+    if incomplete:
+        log.warning("ignoring incomplete checkpoint(s) %s (the process died while saving)",
+                    ", ".join(p.name for p in incomplete))
+    if resume == "never":
+        if latest:
+            raise RunMismatchError(f"{out} already holds checkpoints ({Path(latest).name}); resume=never refuses "
+                                   "to train over them. Use resume=auto, another run name, or overwrite=true.")
+        return None
+    checkpoint = latest if resume == "auto" else resume
+    if checkpoint is None:
+        return None
+    if not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"train.resume: checkpoint {checkpoint} not found")
+    if not is_complete_checkpoint(checkpoint):
+        raise RunMismatchError(f"cannot resume {checkpoint}: it is incomplete (no checkpoint_complete.json; the "
+                               "process died while saving it). Resume from an earlier checkpoint.")
+    problems = _resume_differences(recipe, identity, Path(checkpoint), student)
+    if problems:
+        raise RunMismatchError(
+            f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems)
+            + "\nUse another run name, or overwrite=true to start this run afresh."
+        )
+    return str(checkpoint)
+
+
+def _resume_differences(recipe: dict, identity: dict, checkpoint: Path, student: dict | None) -> list[str]:
+    problems = []
+    run_file = checkpoint.parent / RUN_NAME
+    if run_file.is_file():
+        record = json.loads(run_file.read_text())
+        recorded, now = record.get("recipe", {}), json.loads(json.dumps(recipe))
+        if record.get("student") is not None and student is not None:
+            # the student is compared by what it is; its paths only say where it was
+            recorded, now = _without_student_paths(recorded), _without_student_paths(now)
+            problems += [f"student {d}" for d in iter_identity_differences(record["student"], student)]
+        problems += [f"recipe {d}" for d in iter_identity_differences(recorded, now)]
+    recorded_data = read_data_identity(checkpoint)
+    if recorded_data is None:
+        problems.append(f"{checkpoint} has no data_identity.json")
+    else:
+        problems += [f"data {d}" for d in data_identity_differences(recorded_data, identity)]
+    return [p if len(p) <= 300 else p[:297] + "..." for p in problems]  # shard lists can be long
+
+
+def _without_student_paths(recipe: dict) -> dict:
+    student = {k: v for k, v in (recipe.get("student") or {}).items() if k not in ("model", "tokenizer")}
+    return {**recipe, "student": student}
+
+
+# ---- preparing the folder and the final model ------------------------------------------------
+
+
+def prepare_run_folder(output_dir: str, overwrite: bool, checkpoint: str | None, recipe: dict,
+                       student: dict | None = None) -> None:
+    """Create the folder, clear it when ``overwrite``, delete incomplete checkpoints (left by a
+    process killed while saving) and record the recipe and the student's identity (main process
+    only)."""
+    out = Path(output_dir)
+    for path in checkpoint_folders(out)[1] if out.is_dir() else []:
+        log.warning("deleting incomplete checkpoint %s", path)
+        shutil.rmtree(path)
+    if overwrite and out.is_dir():
+        for path in out.iterdir():
+            if path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, "runs"):
+                shutil.rmtree(path)
+            elif path.name in (RUN_NAME, METRICS_NAME, "summary.json"):
+                path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    if checkpoint is None or not (out / RUN_NAME).is_file():
+        write_json_atomic(out / RUN_NAME, {"recipe": recipe, "student": student, "output_dir": str(out)})
+
+
+def save_final(trainer, output_dir: str, identity: dict, dtype) -> Path:
+    """``save_pretrained`` model (cast to ``dtype`` in place: training is over) and tokenizer in
+    ``<output_dir>/final``, with the data identity. Written as ``.final.tmp`` and renamed:
+    ``final`` is whole or absent, even after a kill."""
+    final = Path(output_dir) / FINAL_NAME
+    tmp = final.with_name(f".{FINAL_NAME}.tmp")
+    if trainer.is_world_process_zero() and tmp.exists():
+        shutil.rmtree(tmp)
+    trainer.model.to(dtype)
+    trainer.save_model(str(tmp))  # model (safetensors) and the processing class (tokenizer)
+    if trainer.is_world_process_zero():
+        write_data_identity(tmp, identity)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    return final
