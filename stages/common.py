@@ -13,6 +13,17 @@ from pipeline.config import ConfigError, build, raise_if  # noqa: F401  (stages 
 T = TypeVar("T")
 
 
+def _dataset_dir(root: str, corpus: str, teacher: str) -> str:
+    from storage_schemas import dataset_dir
+
+    return dataset_dir(root, corpus, teacher).as_posix()
+
+
+# ``${dataset_dir:<root>,<corpus>,<teacher>}`` in the YAML files: the scored folder's name comes
+# from the contract (its schema version), never from a string repeated in configs.
+OmegaConf.register_new_resolver("dataset_dir", _dataset_dir, replace=True)
+
+
 def plain(cfg: DictConfig | dict, key: str | None = None) -> dict:
     node = cfg if key is None else cfg[key]
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)

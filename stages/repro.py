@@ -56,11 +56,12 @@ def score(cfg: DictConfig, teachers: dict[str, Path], corpus_files: list[Path]) 
     left as it is, without starting Ray)."""
     from pipeline.score_teacher.job import run_score_job
     from stages.score_teacher import job_config
+    from storage_schemas import dataset_dir
 
     work = Path(to_absolute_path(cfg.work_dir))
     folders = {}
     for name, folder in teachers.items():
-        out = work / "scored" / name / "v1"
+        out = dataset_dir(work / "scored", "repro-student", name)
         stage_cfg = compose(config_name="score_teacher", overrides=[
             f"teacher.model={folder}", f"teacher.name=repro-{name}", "teacher.embedded=false",
             "data.name=repro-student", "data.embedded=false", f"data.files=[{corpus_files[0].parent}/*.parquet]",

@@ -88,10 +88,11 @@ def ray_local():
 def micro_scored(tmp_path_factory, micro_corpus, micro_teacher, ray_local) -> Path:
     """A complete scored dataset (stage-1 output) of the micro corpus by the micro teacher."""
     from pipeline.score_teacher.corpus import CorpusConfig
+    from storage_schemas import dataset_dir
     from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
     from pipeline.score_teacher.backends.base import ScorerConfig
 
-    out = tmp_path_factory.mktemp("micro-scored") / "owm-micro" / "micro" / "v1"
+    out = dataset_dir(tmp_path_factory.mktemp("micro-scored"), "owm-micro", "micro")
     run_score_job(ScoreJobConfig(
         teacher=TeacherConfig(name="micro", model=str(micro_teacher)),
         corpus=CorpusConfig(name="owm-micro", files=[str(f) for f in micro_corpus], rows_per_shard=40),

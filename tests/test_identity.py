@@ -229,7 +229,6 @@ def test_training_resumes_after_the_project_folder_moves(micro_scored, micro_tea
     from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
     from pipeline.train_student.run import (
         DataConfig,
-        LossConfig,
         RunMismatchError,
         StudentConfig,
         TrainConfig,
@@ -242,7 +241,6 @@ def test_training_resumes_after_the_project_folder_moves(micro_scored, micro_tea
                             logging_steps=1, save_steps=2, report_to=[], progress=False, use_cpu=True, cpu_threads=1)
         return TrainJobConfig(student=StudentConfig(name="t", model=str(place / "student"), seq_len=32),
                               data=DataConfig(folders=[str(place / "scored")], num_workers=0), train=train,
-                              loss=LossConfig(),
                               output_dir=str(place / "run"))
 
     old = tmp_path / "old-place"

@@ -172,7 +172,7 @@ def assert_same_dataset(a_dir, b_dir):
 
 
 def test_second_job_on_the_same_folder_is_refused(micro_teacher, micro_corpus, tmp_path):
-    from pipeline.score_teacher.writer import DatasetBusyError, exclusive_writer
+    from pipeline.folder_lock import DatasetBusyError, exclusive_writer
 
     out = tmp_path / "ds"
     with exclusive_writer(out):  # as if another driver were running

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Mapping
 
 from pipeline import __version__
-from pipeline.config import build, check_choice, defaults, raise_if
+from pipeline.config import build, defaults, raise_if
 from pipeline.score_teacher.corpus import (
     CorpusConfig,
     CorpusError,
@@ -37,10 +37,10 @@ from pipeline.score_teacher.corpus import (
 )
 from pipeline.identity import is_local_model, model_identity
 from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.folder_lock import exclusive_writer
 from pipeline.score_teacher.writer import (
     DatasetMismatchError,
     StorageConfig,
-    exclusive_writer,
     finished_shards,
     folder_problem,
     prepare_output,
@@ -113,8 +113,6 @@ SCORER_FROM_TEACHER = ("model", "revision", "trust_remote_code", "window", "allo
 GROUPS = {"teacher": TeacherConfig, "data": CorpusConfig, "scorer": ScorerConfig, "ray": RayConfig,
           "pool": PoolConfig, "storage": StorageConfig}
 FRONT_END_KEYS = ("artifacts_dir", "output_root", "hydra")  # used to compose the config, not by the job
-ENCODINGS = ("default", "compact")
-LOSS_PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 def config_defaults() -> dict:
@@ -144,10 +142,7 @@ def score_job_config(values: Mapping) -> ScoreJobConfig:
         **{name: build(cls, values.get(name), name, problems) for name, cls in GROUPS.items()
            if name not in ("teacher", "data")},
     }
-    storage, teacher, corpus = parts["storage"], parts["teacher"], parts["corpus"]
-    if storage is not None:  # StorageConfig's choices
-        check_choice(problems, "storage.encodings", storage.encodings, ENCODINGS)
-        check_choice(problems, "storage.loss_precision", storage.loss_precision, LOSS_PRECISIONS)
+    teacher, corpus = parts["teacher"], parts["corpus"]
     if not teacher_values.get("embedded"):  # from the values as written: a bad value beside them does not hide them
         problems += local_path_problems(teacher_values.get("model"), teacher_values.get("tokenizer"))
     if corpus is not None and not data_values.get("embedded"):

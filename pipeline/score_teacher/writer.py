@@ -27,7 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.folder_lock import LOCK_NAME, DatasetBusyError, exclusive_writer  # noqa: F401  (re-exported)
+from pipeline.config import check_choice, refuse
+from pipeline.folder_lock import LOCK_NAME
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from storage_schemas import (
     IDENTITY_FORMAT,
@@ -68,6 +69,19 @@ class StorageConfig:
     compression_level: int | None = None
     encodings: str = "default"  # default | compact
     loss_precision: str = "float32"  # float32 | bfloat16 | float16
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "encodings", self.encodings, ENCODINGS)
+        check_choice(found, "loss_precision", self.loss_precision, LOSS_PRECISIONS)
+        return found
+
+    def __post_init__(self) -> None:
+        refuse(self)
+
+
+ENCODINGS = ("default", "compact")
+LOSS_PRECISIONS = ("float32", "bfloat16", "float16")
 
 
 # Parquet matches column encodings on leaf paths (``starts.list.element``), and pyarrow silently

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from storage_schemas import write_json_atomic
 from storage_schemas.reader import data_identity_differences
-from storage_schemas.scored import iter_identity_differences
+from storage_schemas import iter_identity_differences
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Mapping
 from pipeline.config import build, check_at_least, check_choice, defaults, raise_if
 from pipeline.identity import model_identity
 from pipeline.score_teacher.teacher_source import looks_local
-from pipeline.score_teacher.writer import exclusive_writer
+from pipeline.folder_lock import exclusive_writer
 from pipeline.tokenization import fingerprint, load_tokenizer
 from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchError: the run's refusal)
     RunMismatchError,
