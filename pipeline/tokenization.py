@@ -1,4 +1,5 @@
-"""Tokenization with character offsets, shared by the teacher (stage 1) and the student (stage 2).
+"""Tokenization with character offsets, shared by the teacher (stage 1) and the student (stage 2)
+(docs/METHOD.md §1.1).
 
 Two rules hold for every tokenizer the project touches:
 

@@ -1,5 +1,5 @@
 """Few-shot chain-of-thought math evaluation of any Hugging Face checkpoint (``make eval-student``)
-and side-by-side comparison of results (``make compare``).
+and side-by-side comparison of results (``make compare``); docs/METHOD.md §4.1.
 
 * :mod:`~pipeline.evaluation.answers`: extracting, normalising and comparing final answers;
 * :mod:`~pipeline.evaluation.tasks`: the task registry, local JSONL records, exemplars, prompts;

@@ -1,20 +1,10 @@
-"""Scoring documents with the teacher: checks, tokenization, windows, stitching.
+"""Scoring documents with the teacher: checks, tokenization, windows, stitching
+(docs/METHOD.md §1.1-1.3).
 
-What happens to each document (the ``reason`` is counted per shard in the manifest):
-
-=================  ===========================================  ==============================
-reason             input                                        outcome
-=================  ===========================================  ==============================
-null_text          text is null / missing                       not stored; id listed in manifest
-invalid_utf8       bytes that are not UTF-8                     not stored; id listed in manifest
-invalid_json       a JSONL line that is not a JSON object       not stored; id listed in manifest
-invalid_text       the text field is not a string               not stored; id listed in manifest
-lone_surrogate     a string with unpaired UTF-16 surrogates     not stored; id listed in manifest
-tokenizer_error    the teacher tokenizer raised on the text     not stored; id listed in manifest
-empty_text         ""                                           stored with zero tokens
-whitespace_only    only whitespace                              stored with zero tokens
-contains_nul       has U+0000 characters                        stored and scored as is
-=================  ===========================================  ==============================
+Each document that cannot be scored, or is scored with a remark, gets a ``reason``, counted per
+shard in the manifest: the ``SKIP_REASONS`` are not stored (their ids are listed), the
+``ZERO_TOKEN_REASONS`` are stored with zero tokens, the ``NOTE_REASONS`` are stored and scored as
+is. Each case and its test are in docs/RELIABILITY.md (stage 1, corpus text).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Sliding windows for documents longer than the teacher's context.
+"""Sliding windows for documents longer than the teacher's context (docs/METHOD.md §1.3).
 
-A document's model input is ``z = [BOS] + tokens`` (BOS only if the teacher's tokenizer puts one in
-front of a text). Position ``p`` of ``z`` is *predicted* from ``z[:p]``; position 0 has no
-prediction. Windows are slices ``z[start:stop]`` of at most ``window`` tokens; window ``k`` starts at
-``k * stride`` and *scores* the positions ``[first, stop)``:
-
-* the first window scores every position it can, ``[1, min(window, n))``;
-* each later window scores only the positions after the previous window's ``stop``, so every
-  position is scored by exactly one window, and each has at least ``window - stride`` tokens of left
-  context inside its window (the METHOD's "stride": with the default ``stride = window // 2`` both
-  readings agree).
-
-Nothing is truncated: windows continue until the last position is scored.
+A document's model input is ``z = [BOS] + tokens``; position ``p`` is predicted from ``z[:p]``.
+Window ``k`` is ``z[k * stride : k * stride + window]``; the first window scores every position it
+can, each later one only the positions after the previous window's end. So every position is
+scored by exactly one window, with at least ``window - stride`` tokens of left context, and nothing
+is truncated. Both backends use this plan, so they store the same losses.
 """
 
 from __future__ import annotations

@@ -1,46 +1,17 @@
-"""Token-level lexical alignment between a student and a teacher tokenization (METHOD 2.1).
+"""Token-level lexical alignment between a student and a teacher tokenization (docs/METHOD.md §2.1).
 
-Both tokenizations describe the same text by character spans ``[start, end)`` (Python string
-offsets, see :mod:`pipeline.tokenization`). Student token ``i`` has span ``[c_i, d_i)``, teacher
-token ``j`` has span ``[a_j, b_j)``. The mapping is
+Student token ``i`` (span ``[c_i, d_i)``) maps to the teacher tokens whose spans overlap it,
+``A(i) = {j : a_j < d_i and b_j > c_i}``; empty spans never match. Pure numpy, vectorised over a
+document, O(N log M); nothing reads files.
 
-    A(i) = { j : a_j < d_i  and  b_j > c_i }        (the spans overlap)
-
-with two exceptions: a student token with an empty span (special tokens, offset ``(0, 0)``) maps to
-nothing, and a teacher token with an empty span never matches.
-
-Everything here is pure numpy, vectorised over all tokens of a document, O(N log M) for the
-searches plus O(N + M) for the aggregation. Nothing reads files.
-
-How the range search works (:func:`align_spans`)
------------------------------------------------
-Teacher starts are non-decreasing, so ``{j : a_j < d_i}`` is a prefix ``[0, P_i)`` found with one
-``searchsorted``. ``{j : b_j > c_i}`` is a suffix only when the ends are non-decreasing too. All
-four tokenizers of the project guarantee that (tested in ``tests/test_align_real_tokenizers.py``):
-byte-fallback pieces repeat the span of their character (``(12,13)`` four times) and a character
-split across byte-level tokens gives spans such as ``(3,5), (4,5)``, whose *starts* go back
-relative to the previous end but whose *ends* never decrease. For arbitrary span sets the search
-runs on the running maximum of the ends (``np.maximum.accumulate``): the first index where the
-running maximum exceeds ``c_i`` is exactly the first teacher token with ``b_j > c_i``. So ``lo_i``
-is always the first overlapping teacher token and ``A(i)`` is always inside ``[lo_i, hi_i)``; the
-range is exactly ``A(i)`` (up to empty teacher spans, which never match) whenever the non-empty
-teacher ends are non-decreasing. When they are not, the range is a hull that can contain teacher
-tokens ending at or before ``c_i``; :func:`overlap_pairs` removes them, and :func:`align_document`
-always goes through it, so its result is exact for any span set. (Its cost is the total range
-length, O(N + M) for real tokenizers; a pathological teacher token spanning the whole text would
-make every later range reach back to it.)
-
-Many documents at once (:func:`align_documents`, what stage 2 calls)
-------------------------------------------------------------------
-A batch of documents is shifted onto one character line. For documents whose teacher starts and
-ends are both non-decreasing (all four real tokenizers; empty spans allowed) the ranges above are
-exact, so the fast path skips the overlap re-check and finds the range ends by counting on the
-line instead of searching; any other document takes the general path. Both give
-:func:`align_document`'s result bit for bit.
-
-Same vocabulary: byte-fallback pieces of one character share a span, so span overlap maps each of
-them to all pieces of that character; ``align_document(..., one_to_one=True)`` gives Rho-1's
-one-to-one mapping when teacher and student share the tokenizer.
+The range search (:func:`align_spans`) finds ``A(i)`` as ``[lo_i, hi_i)`` with two searches. That
+range is exact when the teacher ends never decrease (true of all four real tokenizers, tested in
+``tests/test_align_real_tokenizers.py``); for arbitrary spans the search runs on the running
+maximum of the ends, the range is a hull, and :func:`overlap_pairs` removes the teacher tokens that
+do not overlap, so :func:`align_document` is exact for any span set. :func:`align_documents` (what
+stage 2 calls) puts a batch of documents on one character line and, for monotone teacher spans,
+counts instead of searching; its result is :func:`align_document`'s bit for bit. The chunk-level
+and one-to-one alignments of the ablations (§2.3) are here too.
 """
 
 from __future__ import annotations
@@ -51,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 AGGREGATIONS = ("max", "mean", "min")
-LINE_DOCUMENTS = 64  # documents per shared line in align_documents (``make bench``: 64-128 is fastest)
+LINE_DOCUMENTS = 64  # documents per shared line in align_documents (chosen with ``make bench``)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +148,7 @@ def chunk_ids(starts, n_chunks: int, text_len: int) -> np.ndarray:
 def chunk_align(
     s_starts, s_ends, t_starts, t_ends, t_losses, n_chunks: int, text_len: int | None = None
 ) -> np.ndarray:
-    """Chunk-level alignment from the METHOD 2.2 ablation, float32 of shape (N,).
+    """Chunk-level alignment of the ablation (docs/METHOD.md §2.3), float32 of shape (N,).
 
     The text ``[0, L)`` is cut into ``n_chunks`` equal character ranges (:func:`chunk_ids`); each
     token belongs to the chunk containing its start. Every student token gets the NaN-ignoring
@@ -211,7 +182,7 @@ def chunk_align(
 
 @dataclass(frozen=True)
 class AlignmentQuality:
-    """IoS and IoU of an alignment (METHOD 2.1).
+    """IoS and IoU of an alignment (docs/METHOD.md §2.1).
 
     ``ios``: (N,) float64, per student token the share of its characters covered by its mapped
     teacher tokens; NaN for tokens not counted as mapped. ``ios_mean``: mean over mapped tokens.
@@ -351,7 +322,7 @@ def align_documents(
     text_lens: Sequence[int] | None = None,
 ) -> list[DocumentAlignment]:
     """:func:`align_document` for many documents at once: the same result, token for token and bit
-    for bit, at a fraction of the cost (``make bench``: alignment cost relative to tokenization).
+    for bit, at a fraction of the cost (measured by ``make bench``).
 
     ``teacher_spans`` holds one ``(starts, ends, losses)`` per document; ``text_lens`` (the length
     of each text) is only read by the chunk ablation. ``one_to_one`` and ``n_chunks`` go to

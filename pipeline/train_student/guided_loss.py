@@ -1,31 +1,13 @@
-"""Teacher-guided token selection and loss for one (micro-)batch (METHOD 2.2).
+"""Teacher-guided token selection and loss for one (micro-)batch (docs/METHOD.md §2.2, §2.3).
 
-Per position of the batch the inputs are the student's logits (or its per-token cross-entropy
-``l_s``), the target label (``-100`` = ignored), the aggregated teacher loss ``L_t`` (NaN where
-unmapped) and the mapped flag, all aligned: position ``t`` carries the target predicted from the
-logits at ``t`` (no shift happens here).
-
-Modes:
-
-* ``guided``: rank the mapped valid tokens by the excess loss ``D = l_s - L_t`` (no gradient) and
-  keep the top ``k = ceil(ratio * n_mapped)`` of them (at least one when any token is mapped; the
-  ceiling is taken with a 1e-6 tolerance so that ``0.7 * 10`` gives 7, not 8). Ranking is over the
-  whole micro-batch (``rank_over="batch"``, as Rho-1) or within each sequence
-  (``rank_over="sequence"``, ``k`` then per sequence). Unmapped valid tokens are always trained
-  (``unmapped="include"``, default) or never (``"exclude"``).
-* ``random``: the same ``k`` mapped tokens drawn uniformly at random (``generator`` makes it
-  reproducible); unmapped tokens are handled as in ``guided``.
-* ``cpt``: every valid token, i.e. the usual mean cross-entropy; no teacher inputs needed.
-
-The loss is the mean of ``l_s`` over the trained tokens; the gradient flows only through ``l_s``
-of those tokens (rows of dropped tokens get an exactly zero gradient). Selection and the mean are
-per call: with gradient accumulation every micro-batch selects its own top-k and is normalised by
-its own kept count, exactly as Rho-1 does per micro-batch; a global top-k over the accumulated
-batch is not computed.
-
-The selection needs no host synchronisation (ranks come from a sort, ``k`` stays a tensor), so
-it can run every step on an accelerator; :class:`SelectionStats` holds 0-dim tensors that the
-trainer converts when it logs.
+Inputs per position, already aligned (position ``t`` carries the target predicted from the logits
+at ``t``; no shift here): the student's logits or per-token cross-entropy ``l_s``, the label
+(``-100`` ignored), the aggregated teacher loss ``L_t`` (NaN where unmapped) and the mapped flag.
+``mode`` is ``guided`` (top ``ceil(ratio * n_mapped)`` by ``l_s - L_t``), ``random`` (as many,
+drawn uniformly) or ``cpt`` (every valid token). The loss is the mean of ``l_s`` over the trained
+tokens, per call, so per micro-batch under gradient accumulation. The selection needs no host
+synchronisation (ranks come from a sort, ``k`` stays a tensor), so it can run every step on an
+accelerator; :class:`SelectionStats` holds 0-dim tensors that the trainer converts when it logs.
 """
 
 from __future__ import annotations

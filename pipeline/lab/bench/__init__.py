@@ -1,4 +1,4 @@
-"""``make bench``: the performance figures of issue #6, each measured as a ratio inside one run.
+"""``make bench``: the project's performance figures, each measured as a ratio inside one run.
 
 Every figure compares two sides measured in the same process (or the same run), interleaved
 (A B B A A B ...) and repeated, so that a machine shared with other work slows both sides alike;

@@ -1,5 +1,5 @@
 """The peers' alignment, written for the benchmark: dynamic time warping over token strings with a
-minimum-edit-distance cost, as FuseLLM (``FuseLLM/src/utils/others.py: dtw``) and DSKD's
+minimum-edit-distance cost, as FuseLLM's token alignment and DSKD's
 min-edit-distance cross-tokenizer distillation do.
 
 For a student sequence ``s_1..s_N`` and a teacher sequence ``t_1..t_M`` of token *strings* (with

@@ -14,7 +14,7 @@ O(B T V) of the cross-entropy and the O(B T N) of the model.
 Both steps run the same model forward, the same backward through the model (the gradient that
 reaches the logits differs in value, not in work) and the same optimizer step; they differ only
 in the loss: its forward and its backward down to the logits. On a shared machine one step's CPU
-time varies by +-15% between repetitions, more than the effect being measured, so the figure is
+time varies between repetitions by more than the effect being measured, so the figure is
 computed from that difference, measured where it is large relative to the noise:
 
     ratio = 1 + (t_loss(guided) - t_loss(cross-entropy)) / t_step(cross-entropy)

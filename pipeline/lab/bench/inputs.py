@@ -1,8 +1,7 @@
 """What the bench cases run on: real tokenizers, math text, random-weight models, small corpora.
 
 Everything is deterministic and cached under the bench's work folder, so a second run skips the
-slow set-up (loading a GGUF vocabulary takes 10-30 s; a folder with ``tokenizer.json`` loads in
-about a second):
+slow set-up (loading a GGUF vocabulary is slow; a folder with ``tokenizer.json`` loads fast):
 
 * :func:`real_tokenizer` loads one of the paper's tokenizers from ``../shared/tokenizers`` through
   :func:`pipeline.tokenization.load_tokenizer`, saves it as a plain tokenizer folder and, from then
@@ -64,7 +63,7 @@ def _load_real(name: str, tokenizers_dir: Path, cache_dir: Path):
 
     source = tokenizers_dir / REAL_TOKENIZERS[name]
     if not source.is_file():
-        raise FileNotFoundError(f"real tokenizer {name} not found at {source} (see ../shared/tokenizers/README.md)")
+        raise FileNotFoundError(f"real tokenizer {name} not found at {source} (the test tokenizers beside the repository: see README.md)")
     folder = cache_dir / name
     want = {"source": str(source.resolve()), "size": source.stat().st_size, "mtime_ns": source.stat().st_mtime_ns}
     stamp = json.loads((folder / STAMP).read_text()) if (folder / STAMP).is_file() else {}

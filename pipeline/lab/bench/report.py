@@ -1,6 +1,6 @@
 """Figures against targets, and the two files a bench run leaves: ``latest.json`` and ``latest.md``.
 
-A *figure* is one line of the issue's table: a measured value, its target (``<=`` or ``>=``), a
+A *figure* is one line of the bench table: a measured value, its target (``<=`` or ``>=``), a
 status (``pass``, ``miss``, ``info`` for figures without a target, ``error`` when the case failed)
 and a note that says how it was measured and, for a miss, by how much.
 """

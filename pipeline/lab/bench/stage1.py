@@ -29,7 +29,7 @@ Tokens are the stored teacher tokens on both sides (the same documents, the same
   fsync, sha256, markers, the driver round trip) and none of the one-off start-up. Cost is CPU
   seconds: of this process for the forward, of the job's whole process tree (driver, raylet, GCS,
   actor: :class:`pipeline.lab.bench.measure.TreeCpuSampler`) for the job. On a machine shared with
-  other work, wall time across processes swings by 2x between repetitions; CPU seconds do not.
+  other work, wall time across processes swings widely between repetitions; CPU seconds do not.
   The wall-time ratio is reported beside it, and the actor's CPU alone;
 * *whole job*: forward wall seconds / job wall seconds: includes the start-up (Ray, actor, loading
   the teacher), a constant that a 15B-token run amortises.

@@ -1,8 +1,10 @@
-"""The embedded default: a sample corpus in OpenWebMath's schema and a tiny teacher trained on it.
+"""The embedded default: a sample corpus in OpenWebMath's schema, a tiny teacher trained on it and a
+tiny student with another vocabulary (test and demo fixtures, not part of the library).
 
-Both are built by the project itself, deterministically, on first use, and cached under an
-artifacts folder (``artifacts/sample-corpus-n<docs>-s<seed>``, ``artifacts/tiny-teacher-n<docs>-s<seed>``);
-nothing is downloaded.
+All are built by the project itself, deterministically, on first use, and cached under an
+artifacts folder (``artifacts/sample-corpus-n<docs>-s<seed>``, ``artifacts/tiny-teacher-n<docs>-s<seed>``,
+``artifacts/tiny-student-n<docs>-s<seed>``); nothing is downloaded. Their specs share
+:class:`~pipeline.lab.embedded.model_shape.ModelShape`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The embedded sample corpus: math-flavoured web text in OpenWebMath's schema, built from a seed.
 
-Real OpenWebMath cannot be downloaded here, so the pipeline's default input is a synthetic stand-in
-with the same Parquet layout (``train-0000i-of-0000N.parquet``; columns ``url``, ``text``, ``date``,
-``metadata``, all strings, ``metadata`` a JSON string) and the same awkward content real math pages
-hold, because that content is what the tokenizers, the alignment and the teacher must survive:
+The pipeline's default input must build without a download, so it is a synthetic stand-in for
+OpenWebMath with the same Parquet layout (``train-0000i-of-0000N.parquet``; columns ``url``,
+``text``, ``date``, ``metadata``, all strings, ``metadata`` a JSON string) and the same awkward
+content real math pages hold, because that content is what the tokenizers, the alignment and the
+teacher must survive:
 
 * ``kind: "clean"`` (about 83%): pages of worked word problems with *correct* arithmetic
   (``Solution: 7 × 12 = 84``), equations solved step by step, definitions and theorems in LaTeX

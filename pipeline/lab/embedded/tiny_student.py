@@ -30,28 +30,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from pipeline.lab.embedded.model_shape import ModelShape
 from pipeline.lab.embedded.tiny_teacher import build_folder
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 SPECIALS = (UNK, BOS, EOS)
 BYTE_PIECES = tuple(f"<0x{i:02X}>" for i in range(256))
 STAMP_NAME = "_BUILD.json"
-# TinyStudentSpec field -> LlamaConfig argument
-ARCHITECTURE_KEYS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-                     "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-                     "num_kv_heads": "num_key_value_heads", "context": "max_position_embeddings"}
 
 
-@dataclass(frozen=True)
-class TinyStudentSpec:
+@dataclass(frozen=True, kw_only=True)
+class TinyStudentSpec(ModelShape):
+    """The tiny student's tokenizer and sizes (it is not trained here: stage 2 trains it)."""
+
     vocab_size: int = 3000  # including the 3 specials and the 256 byte pieces
     limit_alphabet: int = 150  # rarer characters are left to byte fallback
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    context: int = 512  # max_position_embeddings
     seed: int = 0
     max_train_docs: int | None = None  # tokenizer training texts (None: all)
 
@@ -128,16 +121,15 @@ def build_tiny_student(texts: Sequence[str], out_dir: str | os.PathLike, spec: T
     return build_folder(out_dir, write)
 
 
-def new_student_model(tokenizer, spec: TinyStudentSpec, seed: int):
-    """A randomly initialised (``torch.manual_seed(seed)``) Llama of ``spec``'s sizes for ``tokenizer``,
+def new_student_model(tokenizer, shape: ModelShape, seed: int):
+    """A randomly initialised (``torch.manual_seed(seed)``) Llama of ``shape``'s sizes for ``tokenizer``,
     embeddings tied."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    architecture = {hf_key: getattr(spec, key) for key, hf_key in ARCHITECTURE_KEYS.items()}
     config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=None, **architecture)
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=None, **shape.hf_config_args())
     return LlamaForCausalLM(config)
 
 

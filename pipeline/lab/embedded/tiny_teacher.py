@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from pipeline.lab.embedded.model_shape import ModelShape
+
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
@@ -33,16 +35,13 @@ EOS = "<|endoftext|>"
 PRE_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
-@dataclass(frozen=True)
-class TinyTeacherSpec:
+@dataclass(frozen=True, kw_only=True)
+class TinyTeacherSpec(ModelShape):
+    """The tiny teacher's tokenizer, sizes and training recipe."""
+
     vocab_size: int = 4096
-    hidden_size: int = 128
     intermediate_size: int = 384
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    context: int = 512  # max_position_embeddings: long pages are scored in windows
-    block: int = 256  # training sequence length
+    block: int = 256  # training sequence length; longer pages are scored in windows of ``context``
     batch_size: int = 8
     steps: int = 250
     learning_rate: float = 3e-3
@@ -137,12 +136,7 @@ def build_tiny_teacher(
     torch.manual_seed(spec.seed)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.context,
+        **spec.hf_config_args(),
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from pipeline.lab.embedded.sample_corpus import build_sample_corpus, clean_texts, generate_documents
-from pipeline.lab.embedded.tiny_student import TinyStudentSpec, new_student_model, train_student_tokenizer
+from pipeline.lab.embedded.model_shape import ModelShape
+from pipeline.lab.embedded.tiny_student import new_student_model, train_student_tokenizer
 from pipeline.lab.embedded.tiny_teacher import (
     TinyTeacherSpec,
     build_folder,
@@ -40,16 +41,12 @@ class CorpusSpec:
 
 
 @dataclass(frozen=True)
-class StudentSpec:
+class StudentSpec(ModelShape):
+    """A named base student: its tokenizer kind and vocabulary size, and its sizes (``ModelShape``)."""
+
     name: str
     tokenizer: str  # one of STUDENT_TOKENIZERS
     vocab_size: int
-    hidden_size: int = 128
-    intermediate_size: int = 352
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    context: int = 512
 
 
 @dataclass(frozen=True)
@@ -62,15 +59,11 @@ class PretrainSpec:
     seed: int = 0  # initialisation and data order of the base
 
 
-@dataclass(frozen=True)
-class TeacherSpec:
+@dataclass(frozen=True, kw_only=True)
+class TeacherSpec(TinyTeacherSpec):
+    """A named tiny teacher: the embedded teacher's spec, trained on the toy experiment's clean pages."""
+
     name: str
-    steps: int
-    vocab_size: int = 4096
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 4
-    seed: int = 0
 
 
 @dataclass
@@ -123,9 +116,7 @@ def build_corpora(root: str | os.PathLike, spec: CorpusSpec) -> Corpora:
 
 def build_teacher(root: str | os.PathLike, spec: TeacherSpec, corpora: Corpora) -> Path:
     """A tiny byte-level-BPE Qwen2 teacher trained on the clean teacher corpus (cached)."""
-    tiny = TinyTeacherSpec(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                           intermediate_size=spec.intermediate_size, num_layers=spec.num_layers,
-                           steps=spec.steps, seed=spec.seed)
+    tiny = TinyTeacherSpec(**{f.name: getattr(spec, f.name) for f in fields(TinyTeacherSpec)})  # its build stamp has no name
     return build_tiny_teacher(corpora.teacher_texts, Path(root) / f"teacher-{spec.name}", tiny,
                               eval_texts={"clean_held_out": corpora.held_out, "noise": corpora.noise_texts[:200]})
 
@@ -161,10 +152,7 @@ def build_student(root: str | os.PathLike, spec: StudentSpec, corpora: Corpora, 
     if _stamp_matches(folder, params):
         return folder
     tokenizer = _student_tokenizer(spec, corpora.teacher_texts)
-    sizes = TinyStudentSpec(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-                            num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                            context=spec.context)
-    model = new_student_model(tokenizer, sizes, pretrain.seed)
+    model = new_student_model(tokenizer, spec, pretrain.seed)
     blocks = pack_blocks(tokenizer, corpora.pretrain_texts, pretrain.block)
 
     def write(work: Path) -> None:

@@ -1,4 +1,5 @@
-"""The transformers backend: batched forward passes, float32 log-softmax in bounded memory.
+"""The transformers backend: batched forward passes, float32 log-softmax in bounded memory
+(docs/METHOD.md §1.2).
 
 Per batch of windows (sorted by length so that each batch holds windows of similar length, then
 right-padded, up to ``max_batch_tokens`` padded tokens):
@@ -138,7 +139,7 @@ class TransformersScorer:
             logits = self.head(h[lo:hi]).float()  # (C, V) float32
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
-            # one fused log-softmax + gather (measured faster than logsumexp - gather)
+            # one fused log-softmax + gather (faster than logsumexp - gather)
             out[lo:hi] = F.cross_entropy(logits, targets[lo:hi], reduction="none")  # (C,)
         return out
 

@@ -1,4 +1,4 @@
-"""The vLLM backend (optional extra ``vocagno[vllm]``, GPU clusters).
+"""The vLLM backend (optional extra ``vocagno[vllm]``, GPU clusters; docs/METHOD.md §1.2).
 
 Each window goes in as ``TokensPrompt(prompt_token_ids=...)`` so vLLM scores exactly the ids (and
 therefore the offsets) that stage 1 stores, with greedy
