@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from storage_schemas import write_json_atomic
-from storage_schemas.scored import iter_identity_differences
+from storage_schemas import iter_identity_differences
 
 NOTE_KEYS = ("backend", "device", "dtype", "batch_size")
 

@@ -200,7 +200,6 @@ def _train(a: dict) -> dict:
     job = t.TrainJobConfig(
         student=build(t.StudentConfig, name="bench-memory", model=a["model"], seq_len=a["seq_len"]),
         data=build(t.DataConfig, folders=[a["scored"]], cache_dir=None, num_workers=0),
-        loss=build(t.LossConfig),
         train=build(t.TrainConfig, micro_batch_size=2, max_steps=a["steps"], logging_steps=1, save_steps=10**6,
                     report_to=[], use_cpu=True, progress=False, warmup_steps=0, learning_rate=1e-4,
                     min_learning_rate=1e-5, cpu_threads=2),
@@ -211,7 +210,7 @@ def _train(a: dict) -> dict:
 
 
 def _inspect(a: dict) -> dict:
-    from pipeline.inspection.dataset import ScoredDataset
+    from storage_schemas.reader import ScoredDataset
     from pipeline.inspection.summary import summarize
 
     s = summarize(ScoredDataset.open(a["scored"]))

@@ -28,11 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.lab.bench.report import figure
+from storage_schemas import dataset_dir
 
 
 @dataclass(frozen=True)
 class StorageBenchConfig:
-    dataset: str = "outputs/scored/owm-sample/tiny/v1"  # a complete stage-1 output folder
+    dataset: str = str(dataset_dir("outputs/scored", "owm-sample", "tiny"))  # a complete stage-1 output folder
     max_shards: int = 4
     levels: tuple[int, ...] = (3, 19)  # extra zstd levels tried with compact + bfloat16 (besides the default)
     target: float = 3.0

@@ -29,11 +29,12 @@ from pathlib import Path
 
 from pipeline.lab.bench.measure import interleaved, profile_parts, ratio
 from pipeline.lab.bench.report import figure
+from storage_schemas import dataset_dir
 
 
 @dataclass(frozen=True)
 class StudentDataBenchConfig:
-    dataset: str = "outputs/scored/owm-sample/tiny/v1"
+    dataset: str = str(dataset_dir("outputs/scored", "owm-sample", "tiny"))
     max_shards: int = 2
     student: str = "llama-spm"
     seq_len: int = 2048
