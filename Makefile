@@ -12,7 +12,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: setup score-teacher train-student inspect validate vocab-overlap align-report test test-slow bench repro eval-student compare clean
+.PHONY: setup score-teacher train-student inspect validate vocab-overlap align-report test test-slow mutation bench repro eval-student compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# Break the core on purpose (tests/mutation/mutants.toml) and check the default suite notices:
+# mutation-results/latest.md. ARGS="--only W1,T1" for some mutants, ARGS=--check to check the table.
+mutation: setup
+	$(PY) tests/mutation/run.py $(ARGS)
 
 bench: setup
 	$(PY) -m stages.bench $(ARGS)
