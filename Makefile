@@ -6,8 +6,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-# CPU build of torch; on a GPU machine install your CUDA build first and set TORCH_SPEC= (empty).
+# torch goes in first, as TORCH_SPEC from TORCH_INDEX (empty: pip's configured index). From PyPI
+# on Linux x86_64 that is the CUDA build (it runs on CPU too, with several GB of NVIDIA libraries);
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu asks for the CPU-only build. TORCH_SPEC= (empty)
+# keeps the torch already in $(VENV).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
@@ -17,7 +21,7 @@ export HF_HUB_DISABLE_TELEMETRY ?= 1
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(TORCH_SPEC),$(PY) -m pip install --quiet "$(TORCH_SPEC)")
+	$(if $(TORCH_SPEC),$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)"))
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
