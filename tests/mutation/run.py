@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -111,9 +112,12 @@ def run_tests(copy: Path, tests: list[str], timeout: float, ray_tmp: Path) -> tu
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the test process and what it started (its Ray cluster)
+        os.killpg(proc.pid, signal.SIGKILL)  # the test process and what it started (its Ray cluster)
         out, _ = proc.communicate()
         code = None
+    except BaseException:  # interrupted: take the tests down with the runner
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     shutil.rmtree(ray_tmp, ignore_errors=True)
     return code, out, time.monotonic() - t0
 
@@ -134,6 +138,7 @@ def check_import_location(copy: Path) -> None:
 
 def run(mutants: list[Mutant], timeout: float, baseline: bool) -> dict:
     started = time.monotonic()
+    state = working_tree_state()  # what the copy is made of, before anything can change it
     base = Path(tempfile.mkdtemp(prefix="vm-"))
     copy = base / "repo"
     copy.mkdir()
@@ -179,18 +184,20 @@ def run(mutants: list[Mutant], timeout: float, baseline: bool) -> dict:
             print(f"[{n}/{len(runnable)}] {m.id:<6} {m.status:<10} {m.seconds:6.1f} s  {m.detail[:110]}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return summarize(mutants, baseline_result, time.monotonic() - started, timeout)
+    return summarize(mutants, baseline_result, time.monotonic() - started, timeout, state)
 
 
-def summarize(mutants: list[Mutant], baseline: dict | None, seconds: float, timeout: float) -> dict:
+def working_tree_state() -> dict:
+    git = lambda *args: subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "--short=12", "HEAD"), "working_tree_clean": not git("status", "--porcelain")}
+
+
+def summarize(mutants: list[Mutant], baseline: dict | None, seconds: float, timeout: float, state: dict) -> dict:
     counts = {s: sum(m.status == s for m in mutants) for s in ("killed", "equivalent", "survived", "error")}
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}",
-        "commit": subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
-                                 text=True).stdout.strip(),
-        "working_tree_clean": not subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                                                 text=True).stdout.strip(),
+        **state,
         "seconds": round(seconds, 1),
         "timeout_per_mutant_s": timeout,
         "total": len(mutants),
@@ -234,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant before it counts as killed")
     parser.add_argument("--no-write", action="store_true", help="print only; leave mutation-results/ alone")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that a `kill` still cleans up
     mutants = load_mutants()
     if args.only:
         wanted = args.only.split(",")
