@@ -6,18 +6,22 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-# CPU build of torch; on a GPU machine install your CUDA build first and set TORCH_SPEC= (empty).
+# torch goes in first, as TORCH_SPEC from TORCH_INDEX (empty: pip's configured index). From PyPI
+# on Linux x86_64 that is the CUDA build (it runs on CPU too, with several GB of NVIDIA libraries);
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu asks for the CPU-only build. TORCH_SPEC= (empty)
+# keeps the torch already in $(VENV).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow bench gpu-bench repro eval-student compare clean
+.PHONY: setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow mutation bench gpu-bench repro eval-student compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(if $(TORCH_SPEC),$(PY) -m pip install --quiet "$(TORCH_SPEC)")
+	$(if $(TORCH_SPEC),$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)"))
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
@@ -50,6 +54,11 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# Break the core on purpose (tests/mutation/mutants.toml) and check the default suite notices:
+# mutation-results/latest.md. ARGS="--only W1,T1" for some mutants, ARGS=--check to check the table.
+mutation: setup
+	$(PY) tests/mutation/run.py $(ARGS)
 
 bench: setup
 	$(PY) -m stages.bench $(ARGS)

@@ -222,7 +222,7 @@ def test_align_document_equals_reference(student, teacher, how, data):
             assert not doc.mapped[i] and np.isnan(doc.teacher_loss[i])
         else:
             assert doc.mapped[i]
-            np.testing.assert_allclose(doc.teacher_loss[i], reduce(vals), rtol=1e-6)
+            np.testing.assert_allclose(doc.teacher_loss[i], np.float32(reduce(vals)), rtol=1e-6)  # float32 output
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,6 +328,12 @@ def batch_document(draw):
         student, teacher = draw(tokenizer_like_pair())
         if draw(st.booleans()):  # a teacher BOS stored with an empty span
             teacher = [(0, 0), *teacher]
+        # an empty span inside the text where starts and ends stay non-decreasing (the fast path):
+        # it lies strictly inside student tokens that cross it and must count for nothing
+        gaps = [i + 1 for i in range(len(teacher) - 1) if teacher[i][1] <= teacher[i + 1][0]]
+        if gaps and draw(st.booleans()):
+            i = draw(st.sampled_from(gaps))
+            teacher = [*teacher[:i], (teacher[i - 1][1], teacher[i - 1][1]), *teacher[i:]]
     else:
         student, teacher = draw(st.lists(span, max_size=15)), draw(general_teacher_spans())
     dtype = draw(st.sampled_from([np.float32, np.float64]))

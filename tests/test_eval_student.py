@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 from pipeline.evaluation.generation import GenerationConfig
 from pipeline.evaluation.run import EvalJobConfig, TaskInput, run_evaluation
-from pipeline.evaluation.tasks import TASKS, DataError, lm_eval_exemplars, load_exemplars, load_records, score
+from pipeline.evaluation.tasks import TASKS, DataError, lm_eval_exemplars, load_exemplars, load_records
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,6 +73,17 @@ MATH = [  # 2 of 3 correct: \frac{84}{2} equals 42
     {"question": "Compute $84/2$.", "answer": "\\frac{84}{2}"},
     {"question": "Compute $43$.", "answer": "43"},
 ]
+GOLD_VALUES = {"gsm8k": [42, 42, 41, 42, 1042, 7], "math": [42, 42, 43]}  # the records above, by hand
+
+
+def plain_number(text: str | None) -> Fraction | None:
+    """``text`` as an exact number when it is a plain decimal or fraction (thousands commas allowed)."""
+    try:
+        return Fraction(text.replace(",", "")) if text is not None else None
+    except ValueError:
+        return None
+
+
 SHOTS = [
     {"question": "Ann has 3 pens and gets 2. How many?", "answer": "She has 3 + 2 = <<3+2=5>>5 pens.\n#### 5"},
     {"question": "Bob had 9 and lost 4. How many left?", "answer": "9 - 4 = 5 left. #### 5"},
@@ -193,14 +205,23 @@ def test_stage_end_to_end_on_the_tiny_student(tiny_student, task_dir, tmp_path):
     record = json.loads((out / "eval.json").read_text())
     samples = read_samples(out)
     assert [s["task"] for s in samples] == ["gsm8k"] * 6 + ["math"] * 3
-    for task, spec in (("gsm8k", TASKS["gsm8k"]), ("math", TASKS["math"])):
+    judged = 0
+    for task in ("gsm8k", "math"):
         rows = [s for s in samples if s["task"] == task]
-        records = load_records(Path(task_dir) / f"{task}.jsonl", spec)
-        for s, r in zip(rows, records):  # the stored verdicts are the scorer's on the stored text
-            assert (s["extracted"], s["correct"]) == score(spec, s["generation"], r)
+        for s, gold in zip(rows, GOLD_VALUES[task]):  # each stored verdict judged by hand where it can be
+            value = plain_number(s["extracted"])
+            if s["extracted"] is None:
+                assert s["correct"] is False, s
+            elif value is not None:
+                assert s["correct"] == (value == gold), s
+                assert s["extracted"].replace(",", "") in s["generation"].replace(",", ""), s
+            else:
+                continue  # a LaTeX answer: no hand reference here
+            judged += 1
         r = record["tasks"][task]
         assert r["n"] == len(rows) and r["correct"] == sum(s["correct"] for s in rows)
         assert r["accuracy"] == r["correct"] / r["n"]
+    assert judged >= 6, samples
     assert record["identity"]["kind"] == "local" and record["label"] == "sp"
     assert "gsm8k" in result.stdout and "eval.json" in result.stdout
 

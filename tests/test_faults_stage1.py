@@ -19,7 +19,7 @@ import pytest
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig
-from storage_schemas import read_manifest
+from storage_schemas import file_sha256, read_manifest
 from test_score_job import assert_same_dataset
 
 DRIVER = """
@@ -62,40 +62,79 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _kill_rerun_loop(micro_teacher, micro_corpus, tmp_path, kills: int, seed: int):
+def _assert_listed_shards_intact(out: Path) -> dict:
+    """Readers never see a partial shard: every shard the manifest lists, and every shard with a
+    marker, is on disk with the size and sha256 recorded for it. Returns the manifest."""
+    manifest = read_manifest(out)
+    markers = {p.name: json.loads(p.read_text()) for p in out.glob("shard-*.done.json")}
+    listed = {e["file"] for e in manifest["shards"]}
+    assert listed <= {m["file"] for m in markers.values()}, "the manifest lists only marked shards"
+    for entry in [*manifest["shards"], *markers.values()]:
+        path = out / entry["file"]
+        assert path.stat().st_size == entry["bytes"] and file_sha256(path) == entry["sha256"], entry["file"]
+    return manifest
+
+
+def _wait_for_markers(out: Path, count: int, proc: subprocess.Popen, timeout: float = 600) -> int:
+    """Poll until at least ``count`` shards carry a completion marker; returns how many do."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = len(list(out.glob("shard-*.done.json"))) if out.exists() else 0
+        if n >= count:
+            return n
+        assert proc.poll() is None, f"the job ended before {count} shards were marked"
+        time.sleep(0.01)
+    raise AssertionError(f"{count} marked shards not seen within {timeout} s")
+
+
+def _kill_rerun_loop(micro_teacher, micro_corpus, tmp_path, kills: int, seed: int, early_kills: int = 0):
+    """Kill the driver (and its Ray cluster) ``kills`` times and rerun it after each; the final
+    dataset must equal an uninterrupted run's. The first ``early_kills`` land at a random moment of
+    start-up; the others as soon as a chosen number of shards (more each time, never all) carry
+    their marker, so later runs resume from partial output. Returns the marked shards at each kill."""
     reference = tmp_path / "reference"
     ref_cfg = _config(micro_teacher, micro_corpus, reference)
     proc = _spawn(ref_cfg)
     assert proc.wait(timeout=600) == 0
+    planned = read_manifest(reference)["n_shards_planned"]
     out = tmp_path / "killed"
     cfg = _config(micro_teacher, micro_corpus, out)
     rng = random.Random(seed)
-    seen_partial = 0
-    for _ in range(kills):
+    late = kills - early_kills
+    targets = sorted(rng.sample(range(1, planned), late))  # cumulative marked shards at each late kill
+    marked_at_kill = []
+    for k in range(kills):
         proc = _spawn(cfg)
-        time.sleep(rng.uniform(1.0, 9.0))
+        if k < early_kills:
+            time.sleep(rng.uniform(0.5, 4.0))
+        else:
+            _wait_for_markers(out, targets[k - early_kills], proc)
         _kill_group(proc)
+        marked = len(list(out.glob("shard-*.done.json"))) if out.exists() else 0
+        assert marked < planned, "the kill must land before the last shard is marked"
+        marked_at_kill.append(marked)
         if out.exists():
-            # readers never see a partial shard: every listed shard matches its checksum
-            manifest = read_manifest(out)
-            seen_partial += not manifest["complete"]
+            assert not _assert_listed_shards_intact(out)["complete"]
     proc = _spawn(cfg)
     assert proc.wait(timeout=600) == 0
-    manifest = read_manifest(out)
-    assert manifest["complete"] and not list(out.glob(".*tmp*"))
+    manifest = _assert_listed_shards_intact(out)
+    assert manifest["complete"] and len(manifest["shards"]) == planned and not list(out.glob(".*tmp*"))
     assert_same_dataset(out, reference)
-    return seen_partial
+    return marked_at_kill
 
 
 def test_driver_killed_and_rerun_gives_the_uninterrupted_dataset(micro_teacher, micro_corpus, tmp_path):
-    """The short version CI runs: 3 kills at random moments."""
-    _kill_rerun_loop(micro_teacher, micro_corpus, tmp_path, kills=3, seed=0)
+    """The short version CI runs: 3 SIGKILLs, each after more shards are marked, before the last."""
+    marked = _kill_rerun_loop(micro_teacher, micro_corpus, tmp_path, kills=3, seed=0)
+    print("marked shards at each kill:", marked)
+    assert marked == sorted(marked) and marked[0] >= 1, marked
 
 
 @pytest.mark.slow
 def test_driver_killed_twenty_times(micro_teacher, micro_corpus, tmp_path):
-    partial = _kill_rerun_loop(micro_teacher, micro_corpus, tmp_path, kills=20, seed=1)
-    assert partial > 0, "the kills must land while the job is running"
+    """5 kills during start-up, 15 after a growing number of marked shards."""
+    marked = _kill_rerun_loop(micro_teacher, micro_corpus, tmp_path, kills=20, seed=1, early_kills=5)
+    assert marked[5:] == sorted(marked[5:]) and marked[-1] < 16
 
 
 def test_actor_killed_mid_shard_is_restarted_and_the_shard_redone(micro_teacher, micro_corpus, ray_local, tmp_path):

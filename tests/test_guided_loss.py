@@ -225,3 +225,34 @@ def test_property_kept_counts_and_finite_loss(data, mode, ratio, rank_over, unma
     loss.backward()
     assert torch.all(token_loss.grad[~valid] == 0)
     assert int((token_loss.grad != 0).sum()) == expected
+    if mode == "guided":  # exactly the brute-force selection is trained, each with weight 1/kept
+        want = brute_force_trained(token_loss.detach(), valid, teacher, mapped, ratio, rank_over, unmapped)
+        assert (token_loss.grad != 0).tolist() == want.tolist()
+        if expected:
+            torch.testing.assert_close(loss, token_loss.detach()[want].mean())
+
+
+def brute_force_trained(token_loss, valid, teacher, mapped, ratio, rank_over, unmapped) -> torch.Tensor:
+    """METHOD 2.2 by hand: per ranking group (the batch, or each sequence) sort the mapped valid
+    tokens by excess loss l_s - L_t, largest first (ties: earlier position first, -inf last), keep
+    the first ceil(ratio * n) (at least one), add the unmapped valid tokens when included."""
+    batch, length = token_loss.shape
+    positions = [(b, t) for b in range(batch) for t in range(length)]
+    groups = [positions] if rank_over == "batch" else [positions[b * length:(b + 1) * length] for b in range(batch)]
+    trained = torch.zeros(batch, length, dtype=torch.bool)
+    for group in groups:
+        candidates = [(b, t) for b, t in group if valid[b, t] and mapped[b, t] and not math.isnan(teacher[b, t])]
+        excess = {(b, t): float(token_loss[b, t] - teacher[b, t]) for b, t in candidates}  # float32, as D
+        ranked = sorted(candidates, key=lambda bt: (-excess[bt], bt))
+        k = max(1, math.ceil(ratio * len(candidates) - 1e-6)) if candidates else 0
+        for b, t in ranked[:k]:
+            trained[b, t] = True
+        if unmapped == "include":
+            for b, t in group:
+                if valid[b, t] and (b, t) not in excess:
+                    trained[b, t] = True
+    return trained
+
+
+def test_tiny_ratio_still_keeps_one_token():
+    assert k_for(torch.tensor([0, 1, 3, 1000]), 1e-7).tolist() == [0, 1, 1, 1]

@@ -4,8 +4,10 @@ against an eager numpy computation; the lazy reading helpers; the README's Polar
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -97,47 +99,34 @@ def test_iter_documents_streams_every_row_in_order(micro_scored, eager):
     assert len(list(ds.iter_documents(limit=5))) == 5
 
 
-# The README's one-liners (drafted in the report), run as a user would, against real stage-1 output.
-ONE_LINERS = {
-    "explode": (
-        "import polars as pl, sys; d = sys.argv[1]; "
-        "print(pl.scan_parquet(f'{d}/shard-*.parquet').select('doc_id', 'token_ids', 'starts', 'ends', 'losses')"
-        ".explode('token_ids', 'starts', 'ends', 'losses').filter(pl.col('losses').is_not_nan()).head(5).collect())"
-    ),
-    "per_doc_mean": (
-        "import polars as pl, sys; d = sys.argv[1]; "
-        "print(pl.scan_parquet(f'{d}/shard-*.parquet').select('doc_id', tokens=pl.col('losses').list.len(), "
-        "mean_loss=pl.col('losses').list.eval(pl.element().fill_nan(None)).list.mean())"
-        ".sort('mean_loss', descending=True, nulls_last=True).collect(engine='streaming'))"
-    ),
-    "join_manifest": (
-        "import json, polars as pl, sys; d = sys.argv[1]; "
-        "m = pl.DataFrame(json.load(open(f'{d}/manifest.json'))['shards'])"
-        ".select('file', 'bytes', manifest_rows=pl.col('rows'), manifest_tokens=pl.col('tokens')); "
-        "print(pl.scan_parquet([f'{d}/{f}' for f in m['file']], include_file_paths='path')"
-        ".select(file=pl.col('path').str.extract(r'([^/]+)$'), n=pl.col('losses').list.len(), "
-        "nan=pl.col('losses').list.eval(pl.element().is_nan()).list.sum())"
-        ".group_by('file').agg(docs=pl.len(), tokens=pl.col('n').sum(), nan=pl.col('nan').sum())"
-        ".join(m.lazy(), on='file').with_columns(bytes_per_token=pl.col('bytes') / pl.col('tokens'))"
-        ".sort('file').collect())"
-    ),
-    "exact_quantiles": (
-        "import polars as pl, sys; d = sys.argv[1]; "
-        "print(pl.scan_parquet(f'{d}/shard-*.parquet').select(pl.col('losses').explode()).filter(pl.col('losses').is_finite())"
-        ".select(mean=pl.col('losses').mean(), p50=pl.col('losses').median(), p99=pl.col('losses').quantile(0.99)).collect())"
-    ),
-}
+def readme_polars_commands() -> list[str]:
+    """The ``python -c "..."`` lines of the README's "Read the shards with Polars" block, as written."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Read the shards with Polars", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.startswith("python -c ")]
+    assert block.splitlines()[0].startswith("D=") and len(commands) == 3, block
+    return commands
 
 
-@pytest.mark.parametrize("name", list(ONE_LINERS))
-def test_readme_polars_one_liners_run(micro_scored, name):
-    env = {**os.environ, "POLARS_TABLE_WIDTH": "250"}  # one table row per line, whatever the terminal
-    run = subprocess.run([sys.executable, "-c", ONE_LINERS[name], str(micro_scored)], capture_output=True, text=True,
-                         timeout=120, env=env)
+@pytest.mark.parametrize("index", range(3))
+def test_readme_polars_one_liners_run(micro_scored, index):
+    """Each one-liner, read from the README, run as a user would (``$D`` the dataset folder) on
+    real stage-1 output; its printed table checked against the manifest."""
+    command = readme_polars_commands()[index].replace("$D", str(micro_scored))
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "-c"] and len(argv) == 3
+    env = {**os.environ, "POLARS_TABLE_WIDTH": "250", "POLARS_FMT_MAX_ROWS": "-1"}  # every row, one line each
+    run = subprocess.run([sys.executable, "-c", argv[2]], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
-    assert "shape:" in run.stdout
-    if name == "join_manifest":
-        manifest = read_manifest(micro_scored)
-        for entry in manifest["shards"]:  # one row per shard: its name and its token count twice
+    manifest = read_manifest(micro_scored)
+    shape = run.stdout.split("shape: ", 1)[1].split("\n", 1)[0]
+    if "explode(" in command:  # one row per teacher token, the first five with a loss
+        assert shape == "(5, 5)"
+    elif "list.mean()" in command:  # one row per document: id, token count, mean loss
+        assert shape == f"({manifest['totals']['documents']}, 3)"
+    else:  # one row per listed shard: its name and its token count twice (counted, and from the manifest)
+        assert shape.startswith(f"({len(manifest['shards'])}, ")
+        for entry in manifest["shards"]:
             line = next(ln for ln in run.stdout.splitlines() if entry["file"] in ln)
             assert line.count(str(entry["tokens"])) == 2, line

@@ -108,6 +108,22 @@ def test_checksum_mismatch(dataset):
     assert not any("checksum" in p.message for p in errors(validate_dataset(dataset, checksums=False)))
 
 
+def test_column_of_another_type(dataset):
+    """A shard rewritten with float64 losses (names, metadata, values, size and checksum in the
+    marker all fine) breaks the contract's column types: an error naming the file and the column."""
+    path = dataset / "shard-000002.parquet"
+    table = pq.read_table(path)
+    fields = [pa.field(f.name, pa.list_(pa.float64()) if f.name == "losses" else f.type, f.nullable)
+              for f in table.schema]
+    pq.write_table(table.cast(pa.schema(fields, metadata=table.schema.metadata)), path, compression="zstd")
+    marker = dataset / marker_name(2)
+    write_json_atomic(marker, {**json.loads(marker.read_text()), "bytes": path.stat().st_size, "sha256": file_sha256(path)})
+    manifest = read_manifest(dataset)
+    write_manifest(dataset, manifest["identity"], finished_shards(dataset), manifest["n_shards_planned"], manifest["code_version"])
+    mine = [p.message for p in errors(validate_dataset(dataset))]
+    assert any("column 'losses' has type list<element: double>" in m for m in mine), mine
+
+
 def test_every_row_fault_is_named_in_one_run(dataset):
     """Several faults in several rows of one shard, plus one in another shard: all reported."""
     def edit(rows):

@@ -140,11 +140,15 @@ def test_unfinished_shard_without_marker_is_redone(micro_teacher, micro_corpus, 
     out = tmp_path / "ds"
     cfg = job(micro_teacher, micro_corpus[:1], out, rows=40)
     run_score_job(cfg)
+    sha = {p.name: file_sha256(p) for p in out.glob("shard-*.parquet")}
     (out / "shard-000001.done.json").unlink()  # as if killed between rename and marker
     (out / ".shard-000000.parquet.tmp-dead").write_bytes(b"half")  # as if killed mid-write
+    victim = out / "shard-000000.parquet"  # marked, but the file is no longer the one the marker describes
+    os.truncate(victim, victim.stat().st_size // 2)
     again = run_score_job(cfg)
-    assert again.shards_scored == 1 and again.complete
+    assert again.shards_scored == 2 and again.complete
     assert not list(out.glob(".*tmp*"))
+    assert {p.name: file_sha256(p) for p in out.glob("shard-*.parquet")} == sha, "both shards redone, as before"
 
 
 def test_rerun_with_another_setup_is_refused_unless_overwrite(micro_teacher, micro_corpus, tmp_path):

@@ -110,6 +110,26 @@ def test_shard_from_another_scoring_is_refused(micro_scored, tmp_path):
         open_scored_dataset([folder])
 
 
+def test_shard_with_a_column_of_another_type_is_refused(micro_scored, tmp_path):
+    """Losses stored as float64 (same names, metadata, values; size and checksum re-recorded) break
+    the contract's column types: the shard is refused, or skipped, naming the file and the column."""
+    import pyarrow as pa
+
+    folder = copy_dataset(micro_scored, tmp_path / "ds")
+    path = folder / "shard-000001.parquet"
+    table = pq.read_table(path)
+    fields = [pa.field(f.name, pa.list_(pa.float64()) if f.name == "losses" else f.type, f.nullable) for f in table.schema]
+    pq.write_table(table.cast(pa.schema(fields, metadata=table.schema.metadata)), path)
+    manifest = read_manifest(folder)
+    entry = next(e for e in manifest["shards"] if e["file"] == path.name)
+    entry["bytes"], entry["sha256"] = path.stat().st_size, file_sha256(path)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BadShardError, match="shard-000001.parquet.*column 'losses' has type"):
+        open_scored_dataset([folder])
+    skipped = open_scored_dataset([folder], on_bad_shard="skip").skipped
+    assert [Path(s["file"]).name for s in skipped] == [path.name]
+
+
 def test_incomplete_and_missing_datasets(micro_scored, tmp_path):
     folder = copy_dataset(micro_scored, tmp_path / "ds")
     manifest = read_manifest(folder)

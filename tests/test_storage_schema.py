@@ -50,12 +50,78 @@ def test_check_rows_reports_each_broken_invariant():
         _doc("d:0", "abc", [(0, 2), (1, 4)], [1.0, 2.0]),  # span past the text
         _doc("d:1", "abc", [(2, 3), (0, 1)], [1.0, 2.0]),  # starts decrease
         _doc("d:2", "abc", [(0, 1)], [float("inf")]),  # infinite loss
+        _doc("d:3", "abc", [(2, 1)], [1.0]),  # end before start
+        _doc("d:4", "abc", [(0, 1)], [float("-inf")]),  # infinite loss, the other sign
     ])
     problems = check_rows(bad, "f.parquet")
-    assert len(problems) == 3
+    assert len(problems) == 5
     assert "d:0" in problems[0] and "outside the text" in problems[0]
     assert "d:1" in problems[1] and "decrease" in problems[1]
     assert "d:2" in problems[2] and "infinite" in problems[2]
+    assert "d:3" in problems[3] and "(2,1)" in problems[3]
+    assert "d:4" in problems[4] and "infinite" in problems[4]
+
+
+def test_check_rows_accepts_what_real_tokenizers_give():
+    """Byte-fallback pieces repeat their character's span (equal starts), byte-level pieces of a
+    split character overlap, empty texts have no tokens, special tokens have empty spans, and the
+    first token's loss is NaN: none of these is a problem."""
+    good = documents_table([
+        _doc("d:0", "a🙂b", [(0, 1), (1, 2), (1, 2), (1, 2), (1, 2), (2, 3)], [np.nan, 1, 2, 3, 4, 5]),
+        _doc("d:1", "x ∑ y", [(0, 1), (1, 3), (2, 3), (3, 5)], [np.nan, 0.5, 0.25, 7.0]),
+        _doc("d:2", "", [], []),
+        _doc("d:3", "ab", [(0, 0), (0, 2)], [np.nan, 3.0]),
+    ])
+    assert check_rows(good, "f.parquet") == []
+
+
+def _items(value_type: pa.DataType) -> pa.DataType:
+    """A list type that differs from the contract's only in its value type."""
+    return pa.list_(pa.field("item", value_type, nullable=False))
+
+
+@pytest.mark.parametrize("column,wrong", [
+    ("token_ids", _items(pa.int64())),
+    ("starts", _items(pa.int64())),
+    ("ends", _items(pa.uint32())),
+    ("losses", _items(pa.float64())),
+    ("losses", _items(pa.float16())),
+    ("text", pa.large_string()),
+    ("doc_id", pa.int64()),
+])
+def test_a_column_of_another_type_is_refused_naming_it(tmp_path, column, wrong):
+    """The contract fixes every column's type; a shard whose column has another type (the names
+    and the metadata all right) is refused by the reader, naming the file and the column."""
+    good = documents_table([_doc("d:0", "ab cd", [(0, 2), (2, 5)], [np.nan, 1.5])])
+    meta = good.schema.metadata or {}
+    good = good.replace_schema_metadata({**meta, **{k: json.dumps(v) for k, v in {
+        "vocagno.schema_version": SCHEMA_VERSION, "vocagno.identity": {}, "vocagno.shard": {},
+        "vocagno.code_version": "x"}.items()}})
+    pq.write_table(good, tmp_path / "good.parquet")
+    read_shard_metadata(tmp_path / "good.parquet")  # the unchanged shard is accepted
+    types = {**{f.name: f.type for f in ROW_SCHEMA}, column: wrong}
+    values = {"doc_id": [7] if column == "doc_id" else ["d:0"], "text": ["ab cd"], "token_ids": [[0, 1]],
+              "starts": [[0, 2]], "ends": [[2, 5]], "losses": [[np.nan, 1.5]]}
+    if column == "losses" and wrong.value_type == pa.float16():
+        values["losses"] = [np.array([np.nan, 1.5], np.float16)]
+    bad = pa.table({name: pa.array(values[name], types[name]) for name in ROW_SCHEMA.names}).replace_schema_metadata(
+        good.schema.metadata)
+    path = tmp_path / "bad.parquet"
+    pq.write_table(bad, path)
+    with pytest.raises(ContractError, match=f"bad.parquet: column '{column}' has type"):
+        read_shard_metadata(path)
+
+
+def test_columns_in_another_order_are_refused(tmp_path):
+    """Swapped ``starts`` and ``ends`` have the same type: only the column order tells them apart."""
+    good = documents_table([_doc("d:0", "ab cd", [(0, 2), (2, 5)], [np.nan, 1.5])])
+    names = ["doc_id", "text", "token_ids", "ends", "starts", "losses"]
+    meta = {k: json.dumps(v) for k, v in {"vocagno.schema_version": SCHEMA_VERSION, "vocagno.identity": {},
+                                          "vocagno.shard": {}, "vocagno.code_version": "x"}.items()}
+    swapped = good.select(names).replace_schema_metadata(meta)
+    pq.write_table(swapped, tmp_path / "swapped.parquet")
+    with pytest.raises(ContractError, match="swapped.parquet: columns"):
+        read_shard_metadata(tmp_path / "swapped.parquet")
 
 
 def test_unequal_list_lengths_are_reported():
@@ -117,6 +183,38 @@ def test_compact_encodings_keep_every_value_and_shrink_the_file(tmp_path):
         got = np.concatenate([np.asarray(x, np.float32) for x in table.column("losses").to_pylist()])
         np.testing.assert_array_equal(got, np.concatenate([d.losses for d in docs]))
     assert sizes["compact"] < 0.8 * sizes["default"], sizes
+
+
+def test_bfloat16_rounding_equals_torch_round_to_nearest_even():
+    """torch's float32 -> bfloat16 conversion (round to nearest, ties to even) is the reference,
+    on random values and on exact ties between two bfloat16 neighbours."""
+    import torch
+
+    from pipeline.score_teacher.writer import round_losses
+
+    rng = np.random.default_rng(0)
+    x = rng.gamma(2.0, 2.0, 5000).astype(np.float32)
+    # exact ties: the 16 dropped bits are 0x8000, above an even and above an odd bfloat16
+    ties = np.array([0x3F808000, 0x3F818000, 0x40208000, 0x40218000, 0x41008000], dtype=np.uint32).view(np.float32)
+    x = np.r_[x, ties, np.float32(0.0), np.float32(1e-30)]
+    want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(round_losses(x, "bfloat16"), want)
+    np.testing.assert_array_equal(round_losses(ties, "bfloat16"), [1.0, 1.015625, 2.5, 2.53125, 8.0])
+    np.testing.assert_array_equal(round_losses(x, "float16"), torch.from_numpy(x).half().float().numpy())
+
+
+def test_rounded_losses_are_what_the_shard_stores(tmp_path):
+    from pipeline.score_teacher.writer import StorageConfig, round_losses
+
+    losses = np.array([np.nan, 0.1, 1.2345678, 9.87654], dtype=np.float32)
+    doc = _doc("d:0", "abcd", [(0, 1), (1, 2), (2, 3), (3, 4)], losses)
+    write_shard(tmp_path, 0, ShardResult(documents=[doc]), {}, {}, "v", storage=StorageConfig(loss_precision="bfloat16"))
+    stored = np.asarray(pq.read_table(tmp_path / "shard-000000.parquet").column("losses").to_pylist()[0], np.float32)
+    import torch
+
+    np.testing.assert_array_equal(stored, torch.from_numpy(losses).to(torch.bfloat16).float().numpy())
+    assert not np.array_equal(stored[1:], losses[1:]), "the stored values really are rounded"
+    np.testing.assert_array_equal(round_losses(losses, "float32"), losses)
 
 
 @pytest.mark.parametrize("precision,rel", [("bfloat16", 2**-8), ("float16", 2**-11)])

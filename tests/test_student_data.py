@@ -179,6 +179,46 @@ def test_order_is_a_function_of_seed_and_epoch():
     assert shard.tolist() == [0] * 5 + [1] * 3 + [2] * 4 and row.tolist() == [*range(5), *range(3), *range(4)]
 
 
+def test_order_follows_the_documented_generators():
+    """The order is a stored run's contract (a resumed run must see the same samples): shards
+    permuted by ``default_rng([seed, epoch])``, rows by ``default_rng([seed, epoch, shard])``."""
+    rows, seed = [4, 6, 5], 11
+    for epoch in (0, 1):
+        shard_order = np.random.default_rng([seed, epoch]).permutation(3)
+        want_shard = np.concatenate([np.full(rows[s], s) for s in shard_order])
+        want_row = np.concatenate([np.random.default_rng([seed, epoch, int(s)]).permutation(rows[s]) for s in shard_order])
+        shard, row = document_order(rows, seed, epoch, shuffle=True)
+        assert shard.tolist() == want_shard.tolist() and row.tolist() == want_row.tolist()
+
+
+def test_packing_plan_hand_worked():
+    """Documents of 3, 0, 2 and 5 student tokens in file order, BOS and EOS: stream lengths 5, -, 4,
+    7 (the empty one left out), 16 tokens; with seq_len 5 a sample needs 6 tokens, so samples start
+    at 0, 5, 10 and the third needs tokens 10..15: 3 samples. 15 tokens would give only 2."""
+    from pipeline.train_student.data import build_plan
+
+    lengths = [np.array([3, 0], np.int32), np.array([2, 5], np.int32)]
+    plan = build_plan(lengths, PackingConfig(seq_len=5, shuffle=False), add_bos=True)
+    assert plan.doc_shard.tolist() == [0, 1, 1] and plan.doc_row.tolist() == [0, 0, 1]
+    assert plan.doc_end.tolist() == [5, 9, 16] and plan.n_empty == 1 and plan.n_tokens == 16
+    assert plan.n_samples == 3
+    assert plan.documents_of(0) == [(0, 0, 5), (1, 0, 1)]  # 6 tokens: document 0 whole, BOS of document 1
+    assert plan.documents_of(1) == [(1, 0, 4), (2, 0, 2)]  # the overlap token is the last input of sample 0
+    assert plan.documents_of(2) == [(2, 1, 7)]
+    with pytest.raises(IndexError):
+        plan.documents_of(3)
+    assert list(plan.document_span(1, 2)) == [1, 2]
+    # Without BOS: 4 + 3 + 6 = 13 tokens; seq_len 4 -> samples at 0, 4, 8 (tokens 8..12): 3 samples.
+    no_bos = build_plan(lengths, PackingConfig(seq_len=4, shuffle=False), add_bos=False)
+    assert no_bos.doc_end.tolist() == [4, 7, 13] and no_bos.n_samples == 3
+    assert no_bos.documents_of(2) == [(2, 1, 6)]
+    # A stream of exactly 2 * seq_len tokens holds one sample, not two: the second lacks its last target.
+    exact = build_plan([np.array([6, 6], np.int32)], PackingConfig(seq_len=8, shuffle=False), add_bos=False)
+    assert exact.n_tokens == 14 and exact.n_samples == 1
+    exact = build_plan([np.array([7, 7], np.int32)], PackingConfig(seq_len=8, shuffle=False), add_bos=False)
+    assert exact.n_tokens == 16 and exact.n_samples == 1
+
+
 def test_epochs_are_concatenated(scored, student):
     one, two = data_for(scored, student), data_for(scored, student, epochs=2)
     assert two.plan.doc_row.size == 2 * one.plan.doc_row.size

@@ -77,9 +77,22 @@ def test_method_offset_quirks_are_present(real_tokenizer):
     assert bos_token_id(qwen) is None and bos_token_id(llama) == llama.bos_token_id
 
 
-def test_fingerprint_tells_vocabularies_apart(real_tokenizer):
+def test_fingerprint_tells_vocabularies_apart(real_tokenizer, shared_tokenizers, tmp_path):
+    """Equal for the same vocabulary however it is loaded (two separate loads, a save and reload),
+    different for another vocabulary and for the same one with a single token added."""
+    from transformers import AutoTokenizer
+
+    from pipeline.tokenization import load_tokenizer
+
     a, b = real_tokenizer("llama-spm"), real_tokenizer("mistral")
-    assert fingerprint(a) != fingerprint(b) and fingerprint(a) == fingerprint(a)
+    again = load_tokenizer(str(shared_tokenizers / FILES["llama-spm"]))
+    assert again is not a and fingerprint(again) == fingerprint(a)
+    a.save_pretrained(tmp_path / "saved")
+    assert fingerprint(AutoTokenizer.from_pretrained(tmp_path / "saved")) == fingerprint(a)
+    assert fingerprint(a) != fingerprint(b)
+    assert again.add_tokens(["<extra_token_for_the_test>"]) == 1
+    assert fingerprint(again) != fingerprint(a)
+    assert len({fingerprint(a), fingerprint(b), fingerprint(again)}) == 3 and len(fingerprint(a)) == 64
 
 
 def test_slow_tokenizer_is_refused(shared_tokenizers, tmp_path):

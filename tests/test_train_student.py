@@ -110,10 +110,10 @@ def test_resumed_run_sees_the_same_batches_and_losses(tiny_student, micro_scored
     run_training(straight)
     interrupted = replace(straight, output_dir=str(tmp_path / "interrupted"))
     with pytest.raises(KeyboardInterrupt):
-        run_training(interrupted, callbacks=[CrashAt(3)])
-    assert sorted(p.name for p in Path(interrupted.output_dir).glob("checkpoint-*")) == ["checkpoint-2"]
-    summary = run_training(interrupted)  # resume=auto picks up checkpoint-2
-    assert summary.resumed_from.endswith("checkpoint-2") and summary.steps == steps
+        run_training(interrupted, callbacks=[CrashAt(5)])
+    assert sorted(p.name for p in Path(interrupted.output_dir).glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    summary = run_training(interrupted)  # resume=auto picks up the newest, checkpoint-4
+    assert summary.resumed_from.endswith("checkpoint-4") and summary.steps == steps
 
     keys = ("step", "loss", "loss_kept", "loss_all", "kept_fraction", "excess_loss", "learning_rate",
             "grad_norm", "sample_first", "sample_last")
