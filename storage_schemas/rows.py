@@ -107,7 +107,8 @@ def table_problems(table: pa.Table | pa.RecordBatch, rules: RowRules = RowRules(
              (ends == starts) & ~np.isin(ids, list(rules.special_ids or ())) if rules.special_ids is not None
              else np.zeros(total, bool)),
             (ERROR, "infinite loss (NaN is allowed, inf is not)", np.isinf(losses)),
-            (ERROR, "negative loss (-log p cannot be negative)", losses < NEGATIVE_LOSS_TOLERANCE),
+            (ERROR, "negative loss (-log p cannot be negative)",
+             (losses < NEGATIVE_LOSS_TOLERANCE) & np.isfinite(losses)),  # -inf: reported as infinite
             (ERROR, "token id outside the teacher vocabulary",
              (ids < 0) | (ids >= (rules.vocab_size or np.iinfo(np.int64).max))),
             (WARNING, "NaN loss past the first token (every later token has left context)", later & np.isnan(losses)),
