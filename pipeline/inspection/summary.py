@@ -12,7 +12,7 @@ results that never grow with the dataset:
 Why per shard rather than one scan of every shard: ``collect_all`` caches a subplan its queries
 share, and over the whole dataset that cache (one row of statistics per document) grows with it;
 per shard it is bounded by the shard. Memory is flat as the dataset grows (checked in
-``tests/test_inspect_memory.py``); :meth:`ScoredDataset.scan` remains the one-frame view for
+``tests/inspection/test_inspect_memory.py``); :meth:`ScoredDataset.scan` remains the one-frame view for
 ad-hoc queries.
 
 Loss quantiles come from that histogram (linear inside a bin), so they are exact to within one

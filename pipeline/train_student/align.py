@@ -6,7 +6,7 @@ document, O(N log M); nothing reads files.
 
 The range search (:func:`align_spans`) finds ``A(i)`` as ``[lo_i, hi_i)`` with two searches. That
 range is exact when the teacher ends never decrease (true of all four real tokenizers, tested in
-``tests/test_align_real_tokenizers.py``); for arbitrary spans the search runs on the running
+``tests/train_student/test_align_real_tokenizers.py``); for arbitrary spans the search runs on the running
 maximum of the ends, the range is a hull, and :func:`overlap_pairs` removes the teacher tokens that
 do not overlap, so :func:`align_document` is exact for any span set. :func:`align_documents` (what
 stage 2 calls) puts a batch of documents on one character line and, for monotone teacher spans,

@@ -30,7 +30,7 @@ case               what it measures
 step, data pipeline per core) as a standalone script that needs only torch, transformers,
 accelerate and pyarrow.
 
-Nothing here is a test: ``tests/test_bench.py`` only runs tiny sizes and checks the report's shape.
+Nothing here is a test: ``tests/lab/test_bench.py`` only runs tiny sizes and checks the report's shape.
 """
 
 CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory")

@@ -13,7 +13,7 @@ from pipeline.evaluation.compare import compare, load_result, markdown_table, wr
 from pipeline.evaluation.run import run_evaluation
 from test_eval_student import build_chain_model, chain_job, write_tasks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

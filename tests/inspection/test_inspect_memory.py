@@ -75,7 +75,7 @@ def build_dataset(folder: Path, n_shards: int) -> int:
 
 def measure(folder: Path, what: str) -> dict:
     run = subprocess.run([sys.executable, "-c", CHILD, str(folder), what], capture_output=True, text=True,
-                         timeout=600, cwd=Path(__file__).resolve().parents[1])
+                         timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
 

@@ -25,7 +25,7 @@ from pipeline.inspection.vocab_overlap import (
     vocab_overlap,
 )
 
-TOKENIZERS = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers"
+TOKENIZERS = Path(__file__).resolve().parents[2].parent / "shared" / "tokenizers"
 pytestmark = pytest.mark.skipif(not TOKENIZERS.is_dir(), reason=f"real tokenizer vocabularies not found at {TOKENIZERS}")
 
 STUDENT = "ggml-vocab-llama-spm.gguf"

@@ -223,7 +223,7 @@ def test_stage_reports_user_errors_in_one_line(tmp_path):
 
     res = subprocess.run([sys.executable, "-m", "stages.score_teacher", "teacher=llemma-7b",
                           f"teacher.model={tmp_path}/missing", f"hydra.run.dir={tmp_path}/logs"],
-                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == f"error: teacher.model: no such local file or folder: {tmp_path}/missing"
 

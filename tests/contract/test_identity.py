@@ -23,7 +23,7 @@ from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.writer import DatasetMismatchError
 from storage_schemas import META_IDENTITY, file_sha256, read_manifest, read_shard_metadata
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The embedded default, made small: 40 documents in 4 shards, a tiny teacher trained for 2 steps.
 SMALL_STAGE1 = ["data.build.n_docs=40", "data.rows_per_shard=10", "teacher.build.corpus_docs=40",

@@ -101,7 +101,7 @@ def test_iter_documents_streams_every_row_in_order(micro_scored, eager):
 
 def readme_polars_commands() -> list[str]:
     """The ``python -c "..."`` lines of the README's "Read the shards with Polars" block, as written."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("### Read the shards with Polars", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line for line in block.splitlines() if line.startswith("python -c ")]

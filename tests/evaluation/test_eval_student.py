@@ -16,7 +16,7 @@ from pipeline.evaluation.generation import GenerationConfig
 from pipeline.evaluation.run import EvalJobConfig, TaskInput, run_evaluation
 from pipeline.evaluation.tasks import TASKS, DataError, lm_eval_exemplars, load_exemplars, load_records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The "chain" model: a one-layer Llama whose attention and MLP write nothing, so its next token is a
 # fixed function of the current token. After "A:" it always says "The answer is 42 ." and then

@@ -25,7 +25,7 @@ from pipeline.train_student.trainer import NonFiniteLossError
 from pipeline.train_student.run import RunMismatchError, run_training
 from test_train_student import make_job, metrics, tiny_student  # noqa: F401  (tiny_student is a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # What must be equal, step by step, between an interrupted and an uninterrupted run (not the clock).
 SAME = ("step", "loss", "grad_norm", "learning_rate", "loss_kept", "loss_all", "kept_fraction",
         "mapped_fraction", "teacher_loss_kept", "teacher_loss_dropped", "excess_loss", "sample_first",

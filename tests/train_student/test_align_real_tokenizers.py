@@ -15,7 +15,7 @@ import pytest
 from pipeline.train_student.align import align_document, align_spans, alignment_quality, overlap_pairs
 from pipeline.tokenization import encode
 
-TOKENIZERS = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers"
+TOKENIZERS = Path(__file__).resolve().parents[2].parent / "shared" / "tokenizers"
 pytestmark = pytest.mark.skipif(
     not TOKENIZERS.is_dir(), reason=f"real tokenizer vocabularies not found at {TOKENIZERS}"
 )

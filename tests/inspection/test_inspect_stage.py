@@ -13,7 +13,7 @@ from rich.console import Console
 from stages.common import ConfigError
 from stages.inspect import run, tokenizer_slug
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "inspect"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "inspect"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

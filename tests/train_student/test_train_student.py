@@ -27,7 +27,7 @@ from pipeline.train_student.run import (
 )
 from storage_schemas import file_sha256
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPEC = TinyStudentSpec(vocab_size=640, limit_alphabet=100, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=2, num_kv_heads=1, context=64, seed=3)
 METRICS = ("loss", "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "teacher_loss_kept",

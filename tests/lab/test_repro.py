@@ -30,7 +30,7 @@ from pipeline.lab.repro.report import (
     write_report,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------------------------

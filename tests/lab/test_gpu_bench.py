@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ABSENT = ("ray", "polars", "hydra", "datasets", "omegaconf")
 
 # A module set to None in sys.modules is absent for Python: importing it raises

@@ -19,7 +19,7 @@ from pipeline.inspection.validate import ERROR, WARNING, validate_dataset
 from pipeline.score_teacher.writer import finished_shards, write_manifest
 from storage_schemas import MANIFEST_NAME, file_sha256, marker_name, read_manifest, write_json_atomic
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
