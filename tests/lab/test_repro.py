@@ -218,7 +218,7 @@ def test_make_repro_end_to_end_small(tmp_path):
     assert all(0 < r["bits_per_byte"] < 20 for r in report["runs"])
     # one scored folder (the strong teacher's) serves both students; the unused weak teacher is never built
     assert {r["scored_folder"] for r in report["runs"]} == {"repro-student/strong/v1"}  # <corpus>/<teacher>/v<schema>, no machine paths
-    assert (tmp_path / "work" / "scored" / "strong" / "v1" / "manifest.json").is_file()
+    assert (tmp_path / "work" / "scored" / "repro-student" / "strong" / "v1" / "manifest.json").is_file()
     assert not (tmp_path / "artifacts" / "teacher-weak").exists()
     assert "| guided |" in readme.read_text()
     bases = report["setup"]["base_students"]  # both base students evaluated before continual pretraining
