@@ -96,8 +96,8 @@ class DocumentNotFoundError(ValueError):
 
 
 @dataclass
-class DocumentRecord:
-    """One stored document (teacher token ids, spans and losses as NumPy arrays) and where it is."""
+class ScoredDocument:
+    """One document as a row of the contract holds it: teacher token ids, spans and losses."""
 
     doc_id: str
     text: str
@@ -105,6 +105,12 @@ class DocumentRecord:
     starts: np.ndarray  # (M,) int32
     ends: np.ndarray  # (M,) int32
     losses: np.ndarray  # (M,) float32, NaN where nothing predicted the token
+
+
+@dataclass
+class DocumentRecord(ScoredDocument):
+    """A stored document and where it is."""
+
     file: str = ""  # shard file name
     row: int = -1  # row inside that shard
 

@@ -19,22 +19,13 @@ from pipeline.score_teacher.corpus import Document
 from pipeline.score_teacher.backends.base import WindowScorer
 from pipeline.tokenization import Encoding, encode_batch
 from pipeline.score_teacher.windows import plan_windows, stitch
+from storage_schemas.reader import ScoredDocument  # stage 1 builds the contract's rows
 
 log = logging.getLogger(__name__)
 
 SKIP_REASONS = ("null_text", "invalid_utf8", "invalid_json", "invalid_text", "lone_surrogate", "tokenizer_error")
 ZERO_TOKEN_REASONS = ("empty_text", "whitespace_only")
 NOTE_REASONS = ("contains_nul",)
-
-
-@dataclass
-class ScoredDocument:
-    doc_id: str
-    text: str
-    ids: np.ndarray  # (M,) int32
-    starts: np.ndarray  # (M,) int32
-    ends: np.ndarray  # (M,) int32
-    losses: np.ndarray  # (M,) float32, NaN where nothing predicted the token
 
 
 @dataclass
