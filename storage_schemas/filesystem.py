@@ -1,0 +1,125 @@
+"""Local paths and object-store URIs behind one interface (pyarrow file systems).
+
+A location is a local path (``data/x.parquet``, ``/abs/dir``, ``file:///abs/dir``) or a URI of an
+object store: ``s3://bucket/key`` (credentials, region and ``AWS_ENDPOINT_URL`` from the standard AWS
+environment variables and files), ``gs://bucket/key`` (Google's standard credentials). pyarrow
+resolves the file system; nothing here keeps a connection open, so a location string can be sent to
+a Ray actor on another node and opened there.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import posixpath
+from functools import lru_cache
+
+import pyarrow.fs as pafs
+
+REMOTE_SCHEMES = ("s3", "gs", "gcs")
+
+
+def scheme(location: str | os.PathLike) -> str:
+    """``"s3"``, ``"gs"`` ... for an object-store URI, ``""`` for a local path."""
+    text = os.fspath(location)
+    head, sep, _ = text.partition("://")
+    return head.lower() if sep and head.lower() in REMOTE_SCHEMES else ""
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    return scheme(location) != ""
+
+
+@lru_cache(maxsize=32)
+def _remote_fs(bucket_uri: str, endpoint: str | None) -> pafs.FileSystem:
+    fs, _ = pafs.FileSystem.from_uri(bucket_uri)
+    return fs
+
+
+def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+    """The file system and the path inside it for a location (a local path is made absolute)."""
+    text = os.fspath(location)
+    kind = scheme(text)
+    if not kind:
+        if text.startswith("file://"):
+            text = text[len("file://"):]
+        return pafs.LocalFileSystem(), os.path.abspath(text)
+    rest = text.split("://", 1)[1]
+    bucket = rest.split("/", 1)[0]
+    if not bucket:
+        raise ValueError(f"{text}: no bucket in the URI")
+    return _remote_fs(f"{kind}://{bucket}", os.environ.get("AWS_ENDPOINT_URL")), rest.rstrip("/")
+
+
+def join(location: str | os.PathLike, *parts: str) -> str:
+    """``location`` with ``parts`` appended, keeping its scheme (``s3://b/x`` + ``y`` -> ``s3://b/x/y``)."""
+    text = os.fspath(location)
+    if is_remote(text):
+        return posixpath.join(text.rstrip("/"), *parts)
+    return os.path.join(text, *parts)
+
+
+def exists(location: str | os.PathLike) -> bool:
+    fs, path = resolve(location)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def is_file(location: str | os.PathLike) -> bool:
+    fs, path = resolve(location)
+    return fs.get_file_info(path).type == pafs.FileType.File
+
+
+def read_bytes(location: str | os.PathLike) -> bytes:
+    fs, path = resolve(location)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def write_bytes(location: str | os.PathLike, data: bytes) -> None:
+    """Write a whole object. On an object store the object appears whole or not at all (a single PUT
+    or a completed multipart upload); locally the caller wants :func:`write_json_atomic`-style
+    rename where readers may look at the file while it is written."""
+    fs, path = resolve(location)
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+def delete(location: str | os.PathLike) -> None:
+    fs, path = resolve(location)
+    fs.delete_file(path)
+
+
+def list_names(folder: str | os.PathLike) -> list[str]:
+    """The names of the files directly inside ``folder`` (empty when it does not exist)."""
+    fs, path = resolve(folder)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.File)
+
+
+def glob(pattern: str) -> list[str]:
+    """Locations matching a glob (``*``, ``?``, ``[...]`` in the last parts; ``**`` for any depth),
+    sorted, with the pattern's scheme. A local pattern uses :mod:`glob`."""
+    if not is_remote(pattern):
+        import glob as _glob
+
+        return sorted(_glob.glob(pattern, recursive=True))
+    kind = scheme(pattern)
+    fs, path = resolve(pattern)
+    parts = path.split("/")
+    fixed = []
+    for part in parts:
+        if any(ch in part for ch in "*?["):
+            break
+        fixed.append(part)
+    if len(fixed) == len(parts):
+        return [pattern] if fs.get_file_info(path).type == pafs.FileType.File else []
+    base = "/".join(fixed)
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    found = [i.path for i in infos if i.type == pafs.FileType.File and _match(i.path, path)]
+    return sorted(f"{kind}://{p}" for p in found)
+
+
+def _match(path: str, pattern: str) -> bool:
+    if "**" not in pattern:
+        return path.count("/") == pattern.count("/") and fnmatch.fnmatchcase(path, pattern)
+    return fnmatch.fnmatchcase(path, pattern.replace("**/", "*").replace("**", "*"))
