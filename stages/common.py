@@ -16,7 +16,8 @@ T = TypeVar("T")
 def _dataset_dir(root: str, corpus: str, teacher: str) -> str:
     from storage_schemas import dataset_dir
 
-    return dataset_dir(root, corpus, teacher).as_posix()
+    folder = dataset_dir(root, corpus, teacher)
+    return folder if isinstance(folder, str) else folder.as_posix()  # an object-store URI stays a string
 
 
 # ``${dataset_dir:<root>,<corpus>,<teacher>}`` in the YAML files: the scored folder's name comes

@@ -27,6 +27,7 @@ from storage_schemas.layout import (  # noqa: F401
     marker_of,
     read_manifest,
     shard_file_problems,
+    shard_index,
     shard_name,
     write_json_atomic,
 )

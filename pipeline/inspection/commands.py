@@ -21,8 +21,10 @@ Commands (``command=``):
 * ``plots``, ``path=<dataset> [student=S]``: PNG loss histogram; with a student also the mapped
   share, teacher tokens per student token and chunk-level IoU/IoS against the chunk count.
 
-Outputs go to ``out_dir`` (default ``<dataset>/inspect``; ``outputs/inspect/vocab-overlap`` for an
-overlap without a dataset); every file written is printed.
+Outputs go to ``out_dir`` (default ``<dataset>/inspect``; for a dataset on an object store the
+local ``outputs/inspect/<scheme>/<bucket>/<key>``; ``outputs/inspect/vocab-overlap`` for an overlap
+without a dataset); every file written is printed. ``path`` may be a local folder or an ``s3://`` /
+``gs://`` URI (:mod:`storage_schemas.filesystem`).
 """
 
 from __future__ import annotations
@@ -37,17 +39,23 @@ from rich.console import Console
 from rich.markup import escape
 
 from pipeline.train_student.align import AGGREGATIONS
+from storage_schemas import filesystem as sfs
 
 Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute (the stage passes Hydra's)
 
 INSPECT_DIR = "inspect"  # default output folder inside the dataset folder
+REMOTE_OUT_ROOT = "outputs/inspect"  # default output root for a dataset on an object store
 OVERLAP_OUT_DIR = "outputs/inspect/vocab-overlap"  # vocab-overlap without a dataset
 NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots")
 NEEDS_STUDENT = ("vocab-overlap", "align-report")
 
 
 def default_out_dir(folder) -> Path:
-    """Where inspection outputs go unless told otherwise: ``<dataset>/inspect``."""
+    """Where inspection outputs go unless told otherwise: ``<dataset>/inspect``, or for a dataset on
+    an object store ``outputs/inspect/<scheme>/<bucket>/<key>`` (relative: the caller resolves it)."""
+    if sfs.is_remote(folder):
+        scheme, rest = str(folder).split("://", 1)
+        return Path(REMOTE_OUT_ROOT) / scheme / rest.strip("/")
     return Path(folder) / INSPECT_DIR
 
 
@@ -120,6 +128,11 @@ def write_json(path: Path, obj, console: Console) -> Path | None:
     return path
 
 
+def _dataset_location(path: str, resolve: Resolve):
+    """A dataset folder as the reader takes it: an object-store URI as is, a local path absolute."""
+    return sfs.location(path) if sfs.is_remote(path) else Path(resolve(path)).resolve()
+
+
 class Context:
     """What every command needs: the config, the console, the dataset and the output folder."""
 
@@ -127,11 +140,11 @@ class Context:
         self.cfg = cfg
         self.console = console
         self.resolve = resolve
-        self.path = Path(resolve(cfg.path)).resolve() if cfg.path else None
+        self.path = _dataset_location(cfg.path, resolve) if cfg.path else None
         if cfg.out_dir:
             self.out_dir = Path(resolve(cfg.out_dir))
         elif self.path is not None:
-            self.out_dir = default_out_dir(self.path)
+            self.out_dir = Path(resolve(str(default_out_dir(self.path))))
         else:
             self.out_dir = Path(resolve(OVERLAP_OUT_DIR))
         self._dataset = None

@@ -44,6 +44,7 @@ from pipeline.score_teacher.writer import (
     finished_shards,
     folder_problem,
     prepare_output,
+    remove_unreferenced,
     write_manifest,
     write_shard,
 )
@@ -51,6 +52,7 @@ from pipeline.score_teacher.teacher import SKIP_REASONS, WindowSettings
 from pipeline.score_teacher.teacher_source import looks_local
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT
+from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +154,7 @@ def score_job_config(values: Mapping) -> ScoreJobConfig:
     job = build(ScoreJobConfig, {**top, **built}, "", problems, assume=parts)
     raise_if(problems)
     return replace(
-        job, output_dir=os.path.abspath(job.output_dir),
+        job, output_dir=job.output_dir if sfs.is_remote(job.output_dir) else os.path.abspath(job.output_dir),
         teacher=_absolute_paths(job.teacher, embedded=bool(teacher_values.get("embedded"))),
         corpus=replace(job.corpus, files=[os.path.abspath(f) for f in job.corpus.files]),
     )
@@ -381,13 +383,15 @@ def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
     prepared = prepare(cfg)
     _refuse_mismatch_early(cfg, prepared)
     with exclusive_writer(cfg.output_dir):
-        return _score(cfg, prepared, t0)
+        summary = _score(cfg, prepared, t0)
+        remove_unreferenced(cfg.output_dir, finished_shards(cfg.output_dir))  # object stores: losing attempts
+        return summary
 
 
 def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
     """Check an existing folder before creating anything in it (the check repeats under the lock)."""
-    if Path(cfg.output_dir).is_dir() and not cfg.overwrite:
-        problem = folder_problem(Path(cfg.output_dir), prepared.identity, legacy=prepared.legacy,
+    if (sfs.is_remote(cfg.output_dir) or Path(cfg.output_dir).is_dir()) and not cfg.overwrite:
+        problem = folder_problem(cfg.output_dir, prepared.identity, legacy=prepared.legacy,
                                  migrate=cfg.migrate_identity)
         if problem:
             raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")

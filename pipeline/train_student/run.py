@@ -43,6 +43,7 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
 )
 from pipeline.train_student.data import AlignmentConfig, PackingConfig, StudentData, build_student_data
 from pipeline.train_student.guided_loss import SelectionConfig
+from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY, open_scored_dataset
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
     return replace(
         job, output_dir=os.path.abspath(job.output_dir),
         student=replace(job.student, model=os.path.abspath(model)) if embedded or Path(model).exists() else job.student,
-        data=replace(data, folders=[os.path.abspath(f) for f in data.folders],
+        data=replace(data, folders=[f if sfs.is_remote(f) else os.path.abspath(f) for f in data.folders],
                      cache_dir=os.path.abspath(data.cache_dir) if data.cache_dir else None),
     )
 
@@ -248,7 +249,7 @@ def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
     """Scored folders that do not exist, and a student given as a local path that does not."""
     found = [f"data.folders: scored dataset folder not found: {f} (score the corpus first: make "
              "score-teacher with the same teacher and data, or point data.folders at a scored dataset)"
-             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not Path(f).is_dir()]
+             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not sfs.is_dir(f)]
     if (isinstance(model, str) and model and not embedded_student and looks_local(model)
             and not os.path.exists(os.path.expanduser(model))):
         found.append(f"student.model: no such local folder: {model}")

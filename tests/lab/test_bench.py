@@ -71,8 +71,9 @@ def test_storage_and_student_data_cases_quick(micro_scored, real_tokenizer, tmp_
     from pipeline.lab.bench.student_pipeline import StudentDataBenchConfig
     from pipeline.lab.bench.student_pipeline import run as run_student
 
-    storage = run_storage(StorageBenchConfig(max_shards=2, levels=(3,)), tmp_path, micro_scored)
-    _check_figures(storage, {"storage_default", "storage_compact"})
+    storage = run_storage(StorageBenchConfig(max_shards=2, levels=(3,), object_store_repeats=1), tmp_path, micro_scored)
+    _check_figures(storage, {"storage_default", "storage_compact", "object_store_write", "object_store_read"})
+    assert storage["object_store"]["rows"] == storage["documents"]  # both sides read back every row
     assert {s["kind"] for s in storage["settings"]} == {"current", "schema change"}
     compact = next(s for s in storage["settings"] if s["name"] == "compact")
     assert set(compact["columns_bytes_per_token"]) >= {"doc_id", "text", "token_ids", "starts", "ends", "losses"}
