@@ -106,7 +106,7 @@ def test_unmarked_objects_and_stale_markers_are_never_listed_and_are_removed_by_
     monkeypatch.undo()
     orphan = [n for n in _objects(folder) if n.startswith("shard-000001.")]
     assert len(orphan) == 1 and orphan[0].endswith(".parquet")  # the object is there, its marker is not
-    stale = {**good, "file": "shard-000001.0123456789ab.parquet", "bytes": 10}  # names an object that is not there
+    stale = {**good, "index": 2, "file": "shard-000002.0123456789ab.parquet"}  # names an object that is not there
     sfs.write_bytes(sfs.child(folder, marker_of(stale["file"])), json.dumps(stale).encode())
 
     done, _ = prepare_output(folder, IDENTITY, overwrite=False)
