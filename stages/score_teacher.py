@@ -21,6 +21,7 @@ from pipeline.score_teacher.job import JobSummary, ScoreJobConfig, config_defaul
 from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
 from pipeline.score_teacher.teacher_source import check_teacher_source
 from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, register_defaults
+from storage_schemas.filesystem import join
 
 register_defaults("score_teacher_defaults", config_defaults())
 
@@ -74,7 +75,7 @@ def print_summary(s: JobSummary) -> None:
     console = Console()
     console.print(table)
     console.print("Look at it with Polars (per-document token count and mean teacher loss):")
-    glob = str(Path(s.output_dir) / "shard-*.parquet")
+    glob = join(s.output_dir, "shard-*.parquet")  # a local path or an s3:// / gs:// URI
     one_liner = (
         "python -c \"import polars as pl; print(pl.scan_parquet('" + glob + "')"
         ".select('doc_id', pl.col('token_ids').list.len().alias('tokens'), "
