@@ -172,3 +172,17 @@ def test_stage2_trains_from_the_s3_dataset_as_from_the_local_one(s3_scored, micr
     assert logs["s3"] == logs["local"]
     identity = json.loads((tmp_path / "s3" / "run" / "checkpoint-3" / DATA_IDENTITY_NAME).read_text())
     assert identity["folders"][0]["path"] == out
+
+
+def test_output_root_on_s3_gives_the_derived_uri():
+    """``make score-teacher ARGS="output_root=s3://..."``: the derived dataset folder stays a URI
+    (never made a local absolute path)."""
+    from hydra import compose, initialize_config_dir
+
+    import stages.score_teacher  # noqa: F401  (registers the defaults conf/score_teacher.yaml overrides)
+    from stages.score_teacher import job_config
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="score_teacher", overrides=["output_root=s3://my-bucket/scored/"])
+    job = job_config(cfg)
+    assert job.output_dir == f"s3://my-bucket/scored/{cfg.data.name}/{cfg.teacher.name}/v1"
