@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage_schemas import MANIFEST_NAME, ROW_SCHEMA, filesystem, schema as schema_module
+from storage_schemas import MANIFEST_NAME, ROW_SCHEMA, ContractError, filesystem, schema as schema_module
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,20 @@ def stats_sample(entries: Sequence[Mapping], token_budget: int = STATS_TOKEN_BUD
     return [entries[i] for i in picks]
 
 
-def _loss_batches(location: str) -> Iterator[pa.ChunkedArray | pa.Array]:
+def _loss_batches(location: str) -> Iterator[pa.Array]:
     """The ``losses`` column of one shard (a local path or an object-store URI), a batch at a time."""
     fs, path = filesystem.resolve(location)
     with fs.open_input_file(path) as f:
         for batch in pq.ParquetFile(f).iter_batches(batch_size=BATCH_ROWS, columns=["losses"]):
             yield batch.column(0)
+
+
+def _shard_losses(location: str) -> Iterator[pa.Array]:
+    """:func:`_loss_batches`, with a failure to read named by the shard's location."""
+    try:
+        yield from _loss_batches(location)
+    except (OSError, pa.ArrowException) as exc:
+        raise ContractError(f"{location}: cannot read its losses for the dataset card ({exc})") from exc
 
 
 def loss_statistics(folder: str, entries: Sequence[Mapping], token_budget: int = STATS_TOKEN_BUDGET,
@@ -105,7 +113,7 @@ def loss_statistics(folder: str, entries: Sequence[Mapping], token_budget: int =
     total = 0.0
     bins: pl.DataFrame | None = None
     for entry in chosen:
-        for column in _loss_batches(filesystem.join(folder, entry["file"])):
+        for column in _shard_losses(filesystem.join(folder, entry["file"])):
             values = pc.list_flatten(column).to_numpy(zero_copy_only=False)  # (tokens in the batch,) float32
             good = values[np.isfinite(values)].astype(np.float64)
             tokens, finite, nan = tokens + values.size, finite + good.size, nan + int(np.isnan(values).sum())
@@ -401,7 +409,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def read_manifest_at(folder: str) -> dict:
     """The manifest of a scored folder (a local path or an object-store URI)."""
-    return json.loads(filesystem.read_bytes(filesystem.join(folder, MANIFEST_NAME)))
+    location = filesystem.join(folder, MANIFEST_NAME)
+    if not filesystem.is_file(location):
+        raise ContractError(f"{folder}: no {MANIFEST_NAME}; not a scored dataset (or scoring never started)")
+    try:
+        return json.loads(filesystem.read_bytes(location))
+    except json.JSONDecodeError as exc:
+        raise ContractError(f"{location}: not valid JSON ({exc})") from exc
 
 
 def write_card(folder: str | os.PathLike, manifest: Mapping | None = None,

@@ -18,11 +18,18 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from hydra import compose, initialize_config_dir
+from rich.console import Console
+
 from pipeline.inspection.summary import DEFAULT_BIN_WIDTH
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.card import CARD_NAME, card_text, column_docs, loss_statistics, write_card
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from stages.inspect import run as inspect_run
+from storage_schemas import ContractError
+
+INSPECT_CONF = Path(__file__).resolve().parents[2] / "conf" / "inspect"
 
 DECIMALS = 5e-5  # the card prints losses with four decimals
 
@@ -43,6 +50,12 @@ def card_files(folder: Path) -> list[str]:
 
 def manifest_files(folder: Path) -> list[str]:
     return [e["file"] for e in json.loads((folder / "manifest.json").read_text())["shards"]]
+
+
+def inspect_config(*overrides: str):
+    """``make inspect``'s config composed with ``overrides``."""
+    with initialize_config_dir(config_dir=str(INSPECT_CONF), version_base="1.3"):
+        return compose("inspect", overrides=["progress=false", *overrides])
 
 
 def card_value(card: str, label: str) -> str:
@@ -188,15 +201,19 @@ def test_statistics_hand_worked(tmp_path):
 
 
 def test_statistics_of_a_large_dataset_read_evenly_spaced_shards(tmp_path):
-    """Four shards of 100 tokens (losses 1, 2, 3, 4), a budget of 150 tokens: ceil(4 * 150 / 400) = 2
-    shards, evenly spaced = the first and the last; mean of those (1 and 4) = 2.5."""
-    entries = [write_losses(tmp_path / f"s{i}.parquet", [[float(i + 1)] * 60, [float(i + 1)] * 40]) for i in range(4)]
+    """Shards of 100, 100, 100 and 250 tokens, a budget of 150: ceil(4 * 150 / 550) = 2 shards, evenly
+    spaced = the first (100 losses of 1.0) and the last (100 of 1.0, 150 of 4.0). Over those 350:
+    mean 800 / 350, median 1.0 (rank 174.5 of 200 ones), p90 4.0 (rank 314.1)."""
+    docs = [[[1.0] * 60, [1.0] * 40], [[2.0] * 100], [[3.0] * 100], [[1.0] * 100, [4.0] * 150]]
+    entries = [write_losses(tmp_path / f"s{i}.parquet", d) for i, d in enumerate(docs)]
     stats = loss_statistics(str(tmp_path), entries, token_budget=150)
     assert stats.sampled and stats.shards_read == ["s0.parquet", "s3.parquet"]
-    assert (stats.tokens_read, stats.mean, stats.minimum, stats.maximum) == (200, 2.5, 1.0, 4.0)
+    assert (stats.tokens_read, stats.minimum, stats.maximum) == (350, 1.0, 4.0)
+    assert stats.mean == pytest.approx(800 / 350, rel=1e-12)
+    assert abs(stats.quantiles["median"] - 1.0) <= DEFAULT_BIN_WIDTH and abs(stats.quantiles["p90"] - 4.0) <= DEFAULT_BIN_WIDTH
     card = card_text({"shards": entries}, stats)
-    assert "over a sample of 2 of the 4 shards, evenly spaced in corpus order (200 tokens): `s0.parquet`, `s3.parquet`" in card
-    assert loss_statistics(str(tmp_path), entries, token_budget=400).shards_read == [e["file"] for e in entries]
+    assert "over a sample of 2 of the 4 shards, evenly spaced in corpus order (350 tokens): `s0.parquet`, `s3.parquet`" in card
+    assert loss_statistics(str(tmp_path), entries, token_budget=550).shards_read == [e["file"] for e in entries]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,15 +248,24 @@ def test_partial_run_card_then_a_failed_card_never_fails_the_job(micro_teacher, 
         summary = run_score_job(job())
     assert summary.complete and summary.shards_scored == 2
     warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.score_teacher.card"]
-    assert any(str(out) in m and "could not write the dataset card" in m for m in warned), warned
+    assert any(str(out) in m and "could not write the dataset card" in m and f"{shard}: cannot read its losses" in m
+               for m in warned), warned
     assert not (out / CARD_NAME).exists()
 
-    # 3. Repaired, the card is written again: complete, all four shards.
+    # 3. Repaired, `make inspect command=card` writes the card again: complete, all four shards.
     shard.write_bytes(good)
-    write_card(out)
+    console = Console(record=True, width=200)
+    assert inspect_run(inspect_config("command=card", f"path={out}"), console) == 0
+    assert f"wrote {out / CARD_NAME}" in console.export_text()
     card = (out / CARD_NAME).read_text()
     assert "Partial dataset" not in card and card_value(card, "shards") == "4 of 4 planned"
     assert card_files(out) == manifest_files(out) and len(card_files(out)) == 4
+
+
+def test_card_command_refuses_a_folder_that_is_not_a_dataset(tmp_path):
+    with pytest.raises(ContractError, match=f"{tmp_path}: no manifest.json; not a scored dataset"):
+        inspect_run(inspect_config("command=card", f"path={tmp_path}"), Console(quiet=True))
+    assert not (tmp_path / CARD_NAME).exists()
 
 
 def test_card_on_object_storage_equals_the_local_card(micro_scored, s3_server):
