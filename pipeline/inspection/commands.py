@@ -20,6 +20,8 @@ Commands (``command=``):
   coloured by teacher loss with the student token boundaries.
 * ``plots``, ``path=<dataset> [student=S]``: PNG loss histogram; with a student also the mapped
   share, teacher tokens per student token and chunk-level IoU/IoS against the chunk count.
+* ``card``, ``path=<dataset>``: (re)writes the dataset card ``README.md`` in the dataset folder
+  itself (:mod:`pipeline.score_teacher.card`; stage 1 writes it at the end of every run).
 
 Outputs go to ``out_dir`` (default ``<dataset>/inspect``; for a dataset on an object store the
 local ``outputs/inspect/<scheme>/<bucket>/<key>``; ``outputs/inspect/vocab-overlap`` for an overlap
@@ -46,7 +48,7 @@ Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute
 INSPECT_DIR = "inspect"  # default output folder inside the dataset folder
 REMOTE_OUT_ROOT = "outputs/inspect"  # default output root for a dataset on an object store
 OVERLAP_OUT_DIR = "outputs/inspect/vocab-overlap"  # vocab-overlap without a dataset
-NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots")
+NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots", "card")
 NEEDS_STUDENT = ("vocab-overlap", "align-report")
 
 
@@ -332,6 +334,15 @@ def cmd_plots(ctx: Context) -> int:
     return 0
 
 
+def cmd_card(ctx: Context) -> int:
+    from pipeline.score_teacher.card import write_card
+    from storage_schemas import filesystem
+
+    folder = ctx.cfg.path if filesystem.is_remote(ctx.cfg.path) else ctx.path
+    ctx.console.print(f"wrote {write_card(folder)}", markup=False)
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Context], int]] = {
     "summary": cmd_summary,
     "validate": cmd_validate,
@@ -339,6 +350,7 @@ COMMANDS: dict[str, Callable[[Context], int]] = {
     "align-report": cmd_align_report,
     "html": cmd_html,
     "plots": cmd_plots,
+    "card": cmd_card,
 }
 
 

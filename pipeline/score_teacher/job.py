@@ -37,6 +37,7 @@ from pipeline.score_teacher.corpus import (
 )
 from pipeline.identity import is_local_model, model_identity
 from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.card import write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.score_teacher.writer import (
     DatasetMismatchError,
@@ -414,6 +415,7 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
             raise
     done = finished_shards(cfg.output_dir)
     manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version, **extra)
+    write_card_or_warn(cfg.output_dir, manifest)  # README.md for people and the hub; never fails the run
     totals = manifest["totals"]
     return JobSummary(
         output_dir=str(cfg.output_dir),
