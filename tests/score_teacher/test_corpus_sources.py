@@ -274,6 +274,30 @@ def test_config_problems_for_hub_fields():
     assert CorpusConfig(files=["x.parquet"], hub_root="/r").problems() == ["hub_root: only used with source=hub"]
 
 
+def test_the_open_web_math_config_reads_a_copy_of_the_repository(hub_repo):
+    """``data=open-web-math`` composed as a user writes it: hub patterns stay relative to the
+    repository (local ``files`` become absolute), and a missing hub_root is a config problem."""
+    from hydra import compose, initialize_config_dir
+
+    from stages.common import ConfigError
+    from stages.score_teacher import job_config
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+
+    def job(*overrides):
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            return job_config(compose(config_name="score_teacher", overrides=["data=open-web-math", *overrides]))
+
+    cfg = job(f"data.hub_root={hub_repo}", 'data.files=["data/train-0000[01]-*.parquet"]', "data.rows_per_shard=15")
+    assert cfg.corpus.files == ["data/train-0000[01]-*.parquet"] and cfg.corpus.hub_id == "open-web-math/open-web-math"
+    assert [s.path for s in resolve_sources(cfg.corpus)] == [str(hub_repo / n) for n, _, _ in TRAIN_FILES[:2]]
+    local = job("data.source=files", f"data.files=[{os.path.relpath(hub_repo)}/data/train-*.parquet]")
+    assert local.corpus.files == [str(hub_repo / "data" / "train-*.parquet")]
+    with pytest.raises(ConfigError) as err:
+        job(f"data.hub_root={hub_repo}/no-such-copy")
+    assert f"data.hub_root: hub_root {hub_repo}/no-such-copy: cannot list it (" in str(err.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Files on S3
 
