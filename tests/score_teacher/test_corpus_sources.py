@@ -1,10 +1,12 @@
-"""Where a corpus can live: a hub dataset repository read in place (here a local or S3 folder laid
-out like one, since the hub cannot be reached), local files, and files on S3 (moto's real S3
-server on 127.0.0.1). The shard plan comes from Parquet footers and each shard reads only its rows.
+"""Where a corpus can live: a hub dataset repository read in place, local files, and files on S3
+(moto's real S3 server on 127.0.0.1). The shard plan comes from Parquet footers and each shard
+reads only its rows.
 
-Not run here: the hub's own listing over the network and reading ``hf://`` bytes; the listing
-function is tested with a stand-in for ``HfApi`` (the one mock in this file) that answers with the
-objects huggingface_hub builds from the hub's JSON.
+The hub cannot be reached here, so the hub path runs three ways: on a local or S3 folder laid out
+like the repository (``hub_root``); with huggingface_hub's real ``HfApi`` and ``HfFileSystem``
+against :class:`StandInHub`, a small HTTP server on 127.0.0.1 that answers the hub's revision, tree
+and resolve endpoints from such a folder; and the listing function with a stand-in ``HfApi``
+object. What is not run: the real hub's responses (pagination, Xet-backed downloads, gated access).
 """
 
 from __future__ import annotations
@@ -254,6 +256,109 @@ def test_hub_listing_pins_the_commit_and_takes_the_hubs_sha256(hub_repo):
                                                        revision="v1"), api)
     assert [loc for loc, _ in locations] == [f"hf://datasets/open-web-math/open-web-math@{api.commit}/{n}"
                                               for n, _, _ in TRAIN_FILES]
+
+
+class StandInHub:
+    """A stand-in for the hub's HTTP API on 127.0.0.1 (no network here), serving one dataset
+    repository from a folder at one commit: the revision, tree and resolve endpoints (the last with
+    Range requests) that huggingface_hub's real ``HfApi`` and ``HfFileSystem`` call. Counts the
+    bytes it sends per file."""
+
+    def __init__(self, root: Path, repo_id: str, commit: str):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from threading import Thread
+        from urllib.parse import unquote, urlparse
+
+        hub, self.root, self.repo_id, self.commit, self.sent = self, root, repo_id, commit, {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status, body=b"", headers=()):
+                self.send_response(status)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_HEAD(self):
+                self.do_GET()
+
+            def do_GET(self):
+                url = urlparse(self.path)
+                api, files = f"/api/datasets/{repo_id}/", f"/datasets/{repo_id}/resolve/"
+                if url.path == api.rstrip("/"):  # no revision: main
+                    return self.reply(200, json.dumps({"id": repo_id, "sha": commit, "private": False}).encode())
+                if url.path.startswith(api + "revision/"):
+                    if unquote(url.path[len(api + "revision/"):]) not in ("main", commit):
+                        return self.reply(404, b"{}", [("X-Error-Code", "RevisionNotFound")])
+                    return self.reply(200, json.dumps({"id": repo_id, "sha": commit, "private": False}).encode())
+                if url.path.startswith(api + "tree/"):
+                    rev, _, sub = url.path[len(api + "tree/"):].partition("/")
+                    assert unquote(rev) == commit, "every request after the listing names the commit"
+                    return self.reply(200, json.dumps(hub.tree(unquote(sub), "recursive=true" in url.query.lower())).encode())
+                if url.path.startswith(files):
+                    rev, _, rel = url.path[len(files):].partition("/")
+                    assert unquote(rev) == commit
+                    data = (root / unquote(rel)).read_bytes()
+                    first, last = 0, len(data) - 1
+                    if self.headers.get("Range"):
+                        first, last = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+                    body = data[first:last + 1]
+                    if self.command == "GET":
+                        hub.sent[unquote(rel)] = hub.sent.get(unquote(rel), 0) + len(body)
+                    return self.reply(206 if self.headers.get("Range") else 200, body,
+                                      [("Content-Range", f"bytes {first}-{last}/{len(data)}"), ("ETag", '"x"'),
+                                       ("X-Repo-Commit", commit)])
+                self.reply(404, b"{}")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def tree(self, sub: str, recursive: bool) -> list[dict]:
+        base = self.root / sub if sub else self.root
+        entries = []
+        for p in sorted(base.rglob("*") if recursive else base.iterdir()):
+            rel = p.relative_to(self.root).as_posix()
+            if p.is_dir():
+                entries.append({"type": "directory", "path": rel, "oid": "d" * 40, "size": 0})
+            else:
+                data = p.read_bytes()
+                entry = {"type": "file", "path": rel, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                if rel.endswith(".parquet"):
+                    entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                entries.append(entry)
+        return entries
+
+
+def test_the_real_hub_client_reads_the_plan_and_rows_over_http(hub_repo, monkeypatch):
+    """huggingface_hub's HfApi and HfFileSystem against :class:`StandInHub`: the listing is pinned
+    to the commit, footers and rows come over HTTP range requests, rows and identity equal the
+    local copy's, and one shard's read fetches a small part of its file."""
+    from huggingface_hub import HfApi, HfFileSystem, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hub = StandInHub(hub_repo, "open-web-math/open-web-math", commit="5e1f" * 10)
+    try:
+        monkeypatch.setattr(corpus_mod, "_hf_filesystem",
+                            lambda: pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem(endpoint=hub.endpoint))))
+        cfg = CorpusConfig(name="owm", source="hub", hub_id="open-web-math/open-web-math", rows_per_shard=15)
+        sources = resolve_sources(cfg, hub_api=HfApi(endpoint=hub.endpoint))
+        assert [s.path for s in sources] == [f"hf://datasets/open-web-math/open-web-math@{hub.commit}/{n}"
+                                             for n, _, _ in TRAIN_FILES]
+        assert [s.row_groups for s in sources] == [(25, 25, 20), (40,), (10, 10, 10, 3)]
+        plan = plan_shards(sources, 15)
+        local = resolve_sources(hub_cfg(hub_repo))
+        assert [(s.label, s.start, s.stop) for s in plan] == [(s.label, s.start, s.stop) for s in plan_shards(local, 15)]
+        assert read_plan(plan) == all_texts([hub_repo / n for n, _, _ in TRAIN_FILES])
+        assert corpus_identity(cfg, sources, plan)["files_sha256"] == corpus_identity(
+            hub_cfg(hub_repo), local, plan_shards(local, 15))["files_sha256"]
+    finally:
+        hub.server.shutdown()
 
 
 def test_hub_unreachable_gives_one_line_naming_the_dataset_and_hub_root(monkeypatch):
