@@ -30,7 +30,7 @@ import logging
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Iterable, Iterator
 
@@ -147,8 +147,6 @@ def _hf_filesystem() -> pafs.FileSystem:
 
 def absolute_files(cfg: CorpusConfig) -> CorpusConfig:
     """Local ``files`` made absolute (actors may start elsewhere); URIs and hub patterns as written."""
-    from dataclasses import replace
-
     if cfg.source != "files":
         return cfg
     return replace(cfg, files=[f if filesystem.is_remote(f) else os.path.abspath(os.path.expanduser(f)) for f in cfg.files])
