@@ -125,6 +125,10 @@ class Document:
 # Locations
 
 
+def _is_remote(location: str) -> bool:
+    return location.startswith(HF_SCHEME) or filesystem.is_remote(location)
+
+
 def file_name(location: str) -> str:
     """The last part of a path or URI: what document ids and the identity name a file by."""
     return posixpath.basename(location.rstrip("/")) if "://" in location else os.path.basename(location)
@@ -245,9 +249,9 @@ def _count_lines(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
 
 
 def _warn_large_row_groups(sources: list[SourceFile], rows_per_shard: int) -> None:
-    """A shard reads whole row groups: where they are much larger than a shard, each is read
-    several times (by different shards, maybe on different nodes)."""
-    largest = max((g for s in sources for g in s.row_groups), default=0)
+    """A shard reads whole row groups: where they are much larger than a shard, each remote row
+    group is fetched several times (by different shards, maybe on different nodes)."""
+    largest = max((g for s in sources if _is_remote(s.path) for g in s.row_groups), default=0)
     if largest > 2 * rows_per_shard:
         log.warning("Parquet row groups of up to %d rows and shards of %d rows: a row group is read by up to %d "
                     "shards; a rows_per_shard near the row group size reads each byte once",
@@ -410,7 +414,7 @@ def source_digests(sources: list[SourceFile]) -> list[str]:
     def digest(src: SourceFile) -> str:
         if src.sha256:
             return src.sha256
-        if src.path.startswith(HF_SCHEME) or filesystem.is_remote(src.path):
+        if _is_remote(src.path):
             return remote_sha256_cached(src.path)
         from pipeline.identity import file_sha256_cached
 
@@ -548,7 +552,7 @@ def _read_jsonl(spec: ShardSpec, text_column: str, ids: list[str]) -> Iterator[D
 
 def _lines(location: str, stop: int) -> Iterator[bytes]:
     """The first ``stop`` lines of a local or remote file, streamed (a remote file from its start)."""
-    if not (filesystem.is_remote(location) or location.startswith(HF_SCHEME)):
+    if not _is_remote(location):
         with open(location, "rb") as f:
             for line_no, line in enumerate(f):
                 if line_no >= stop:

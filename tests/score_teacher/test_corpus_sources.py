@@ -431,6 +431,25 @@ def test_a_corpus_on_s3_plans_reads_and_is_identified_like_its_local_copy(hub_re
         assert ident["files_sha256"] == corpus_identity(local_cfg, local_sources, local_plan)["files_sha256"]
 
 
+def test_remote_row_groups_much_larger_than_a_shard_are_warned_about(hub_repo, s3_server, caplog):
+    """Row groups of 40 rows and shards of 15: each remote row group would be fetched by three
+    shards. Local files are not warned about (a re-read comes from the page cache)."""
+    remote = upload(hub_repo / "data", s3_server(), "d")
+
+    def warnings():
+        return [r.getMessage() for r in caplog.records if r.name == corpus_mod.__name__]
+
+    with caplog.at_level("WARNING", logger=corpus_mod.__name__):
+        resolve_sources(CorpusConfig(files=[str(hub_repo / "data" / "train-*.parquet")], rows_per_shard=15))
+        assert not warnings()
+        resolve_sources(CorpusConfig(files=[f"{remote}/train-*.parquet"], rows_per_shard=20))  # 40 = 2 x 20: fine
+        assert not warnings()
+        resolve_sources(CorpusConfig(files=[f"{remote}/train-*.parquet"], rows_per_shard=15))
+    assert warnings() == [
+        "Parquet row groups of up to 40 rows and shards of 15 rows: a row group is read by up to 4 shards; "
+        "a rows_per_shard near the row group size reads each byte once"]
+
+
 def test_s3_errors_are_one_line_naming_the_object_or_pattern(s3_server, hub_repo, tmp_path):
     bucket = s3_server()
     sfs.write_bytes(f"{bucket}/bad/train-00000-of-00001.parquet", b"PAR1 this is not parquet")
