@@ -29,7 +29,9 @@ from pipeline.score_teacher.corpus import (
     CorpusError,
     ShardSpec,
     SourceFile,
+    absolute_files,
     corpus_identity,
+    file_name,
     legacy_files_sha256,
     plan_shards,
     read_shard,
@@ -157,7 +159,7 @@ def score_job_config(values: Mapping) -> ScoreJobConfig:
     return replace(
         job, output_dir=job.output_dir if sfs.is_remote(job.output_dir) else os.path.abspath(job.output_dir),
         teacher=_absolute_paths(job.teacher, embedded=bool(teacher_values.get("embedded"))),
-        corpus=replace(job.corpus, files=[os.path.abspath(f) for f in job.corpus.files]),
+        corpus=absolute_files(job.corpus),
     )
 
 
@@ -182,13 +184,14 @@ def local_path_problems(model, tokenizer) -> list[str]:
 
 
 def corpus_file_problems(corpus: CorpusConfig) -> list[str]:
-    """The corpus files (source=files) must exist and be readable; the hub is not asked here."""
-    if corpus.source != "files" or corpus.rows_per_shard < 1:
+    """The corpus files (source=files, or a copy of a hub repository in data.hub_root) must exist
+    and be readable; the hub itself is not asked here."""
+    if corpus.problems() or (corpus.source == "hub" and not corpus.hub_root):
         return []
     try:
         resolve_sources(corpus)
     except CorpusError as exc:
-        return [f"data.files: {exc}"]
+        return [f"data.{'files' if corpus.source == 'files' else 'hub_root'}: {exc}"]
     return []
 
 
@@ -290,7 +293,7 @@ def _location(teacher: TeacherConfig, sources: list[SourceFile]) -> dict:
         return os.path.abspath(os.path.expanduser(name)) if is_local_model(name) else name
 
     return {"teacher_model": where(teacher.model), "teacher_tokenizer": where(teacher.tokenizer or teacher.model),
-            "corpus_files": [os.path.abspath(s.path) for s in sources]}
+            "corpus_files": [s.path for s in sources]}
 
 
 def _legacy_view(cfg: ScoreJobConfig, identity: dict, sources: list[SourceFile]) -> dict:
@@ -371,7 +374,7 @@ class ShardScorer:
 
 
 def _shard_source(spec: ShardSpec) -> dict:
-    return {"file": os.path.basename(spec.path), "kind": spec.kind, "start": spec.start, "stop": spec.stop,
+    return {"file": file_name(spec.path), "kind": spec.kind, "start": spec.start, "stop": spec.stop,
             "first_doc_id": f"{spec.label}:{spec.row_offset + spec.start}"}
 
 
