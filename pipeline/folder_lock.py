@@ -9,10 +9,12 @@ import os
 import socket
 from pathlib import Path
 
+from pipeline.config import UserError
+
 LOCK_NAME = ".lock"
 
 
-class DatasetBusyError(RuntimeError):
+class DatasetBusyError(UserError, RuntimeError):
     """Another job is writing the same folder (a scored dataset or a training run)."""
 
 

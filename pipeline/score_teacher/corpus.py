@@ -29,12 +29,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.config import check_at_least, check_choice
+from pipeline.config import UserError, check_at_least, check_choice
 
 SOURCES = ("files", "hub")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A corpus that cannot be read; the message names the file and the problem."""
 
 
