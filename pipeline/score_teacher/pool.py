@@ -2,21 +2,24 @@
 code to every node, and run shards on the actors with a fault policy.
 
 On a cluster whose nodes share nothing but the object store, nothing may rely on the driver's disk:
-the package goes to every node with the actors (a Ray ``runtime_env`` with ``py_modules``), and
+the package goes to every node with the job (a Ray ``runtime_env`` whose ``working_dir`` holds it), and
 every local path the job reads or writes (a teacher folder, corpus files, the output folder) is
 checked from every node before any actor starts (:func:`check_nodes_see`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from pipeline.config import ConfigError, check_at_least, check_choice, refuse
 from pipeline.score_teacher.faults import FAULTS_ENV
@@ -93,40 +96,51 @@ class PoolConfig:
 
 
 def init_ray(rc: RayConfig) -> bool:
-    """Start or join Ray with the job's runtime environment (:func:`runtime_env`); returns True when
-    this call started it (so the job shuts it down). A caller that started Ray itself should pass
-    ``runtime_env(cfg.ray)`` to its own ``ray.init`` for the code to reach other nodes: Ray uploads
-    local packages only for a whole job, never for one actor."""
+    """Start or join Ray with the job's runtime environment (:func:`shipped_code`); returns True when
+    this call started it (so the job shuts it down). A caller that starts Ray itself should pass
+    such a runtime environment to its own ``ray.init`` for the code to reach other nodes: Ray
+    uploads local code only for a whole job, never for one actor."""
     import ray
 
     if ray.is_initialized():
         return False
     kwargs = dict(include_dashboard=rc.include_dashboard, dashboard_host=rc.dashboard_host,
-                  log_to_driver=True, configure_logging=True, logging_level=logging.WARNING,
-                  runtime_env=runtime_env(rc) or None)
-    if rc.address:
-        ray.init(address=rc.address, **kwargs)
-    else:
-        ray.init(num_cpus=rc.num_cpus, **kwargs)
+                  log_to_driver=True, configure_logging=True, logging_level=logging.WARNING)
+    with shipped_code(rc) as env:
+        if rc.address:
+            ray.init(address=rc.address, runtime_env=env, **kwargs)
+        else:
+            ray.init(num_cpus=rc.num_cpus, runtime_env=env, **kwargs)
     return True
 
 
-CODE_EXCLUDES = ["__pycache__", "*.pyc", "*.so", ".pytest_cache"]
-
-
-def runtime_env(rc: RayConfig) -> dict:
-    """The job's Ray runtime environment: the library's two packages (``py_modules``, uploaded once
-    to the cluster and unpacked on each node, ahead of any installed copy) and :func:`actor_env`.
+@contextlib.contextmanager
+def shipped_code(rc: RayConfig) -> Iterator[dict | None]:
+    """The job's Ray runtime environment while Ray starts: :func:`actor_env`, and (``ship_code``) a
+    ``working_dir`` holding a copy of the library's two packages and nothing else. Ray uploads it
+    once to the cluster and every worker, on every node, imports the library from it, ahead of any
+    installed copy; a job with a working_dir also stops Ray from putting the driver's current folder
+    on the workers' import path, where another node could hold other code under the same path.
     Third-party packages (torch, transformers ...) must be installed on every node; data and models
     never travel this way."""
     import pipeline
     import storage_schemas
 
     env: dict = dict(actor_env(rc) or {})
-    if rc.ship_code:
-        env["py_modules"] = [os.path.dirname(os.path.abspath(m.__file__)) for m in (pipeline, storage_schemas)]
-        env["excludes"] = list(CODE_EXCLUDES)
-    return env
+    if not rc.ship_code:
+        yield env or None
+        return
+    staging = tempfile.mkdtemp(prefix="vocagno-code-")
+    try:
+        for package in (pipeline, storage_schemas):
+            source = os.path.dirname(os.path.abspath(package.__file__))
+            shutil.copytree(source, os.path.join(staging, package.__name__), ignore=shutil.ignore_patterns(*CODE_EXCLUDES))
+        yield {**env, "working_dir": staging, "excludes": list(CODE_EXCLUDES)}
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # uploaded by ray.init by now
+
+
+CODE_EXCLUDES = ("__pycache__", "*.pyc", "*.so", ".pytest_cache")
 
 
 def actor_env(rc: RayConfig) -> dict | None:
@@ -200,14 +214,9 @@ def local_files_to_check(paths: Iterable[str]) -> dict[str, int | None]:
 
 
 def node_view(files: dict[str, int | None], probe: tuple[str, bytes] | None) -> dict:
-    """Run on one node: which of ``files`` it lacks (or sees with another size), and whether it reads
-    the probe the driver wrote into the output folder."""
-    missing = []
-    for path, size in files.items():
-        if not os.path.exists(path):
-            missing.append(f"{path} (missing)")
-        elif size is not None and os.path.getsize(path) != size:
-            missing.append(f"{path} (size {os.path.getsize(path)}, the driver's has {size})")
+    """Run on one node: which of ``files`` it lacks or sees with another size (grouped by folder),
+    and whether it reads the probe the driver wrote into the output folder."""
+    problems = []
     if probe is not None:
         path, content = probe
         try:
@@ -216,8 +225,24 @@ def node_view(files: dict[str, int | None], probe: tuple[str, bytes] | None) -> 
         except OSError:
             seen = False
         if not seen:
-            missing.append(f"{os.path.dirname(path)} (the output folder: not the driver's, a file written there is not seen)")
-    return {"host": socket.gethostname(), "missing": missing}
+            problems.append(f"{os.path.dirname(path)} (the output folder: not the driver's, a file written there is not seen)")
+    folders = [p for p, size in files.items() if size is None]
+    by_folder: dict[str, list[str]] = {}
+    for path, size in files.items():
+        if size is not None and os.path.isfile(path) and os.path.getsize(path) == size:
+            continue
+        if size is None and os.path.isdir(path):
+            continue
+        parent = os.path.dirname(path)
+        key = parent if size is not None and parent in folders else path
+        by_folder.setdefault(key, []).append(os.path.basename(path))
+    for key, names in by_folder.items():
+        if key in folders:
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            problems.append(f"{key}: {len(names)} of the driver's files missing or of another size ({shown})")
+        else:
+            problems.append(f"{key} (missing or of another size)")
+    return {"host": socket.gethostname(), "missing": problems}
 
 
 def check_nodes_see(nodes: Sequence[dict], local_paths: Iterable[str], output_dir: str | None, env: dict) -> None:
