@@ -484,6 +484,7 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
     import ray
     from tqdm.auto import tqdm
 
+    cfg, prepared, pending = _absolute_for_actors(cfg, prepared, pending)
     started_ray = init_ray(cfg.ray)
     try:
         if os.environ.get(FAULTS_ENV):
@@ -527,6 +528,18 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _absolute_for_actors(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec]):
+    """Local paths made absolute: the actors run in the shipped code's folder, not the driver's."""
+    def absolute(path: str | None) -> str | None:
+        return os.path.abspath(path) if path and not is_remote(path) and os.path.exists(path) else path
+
+    output_dir = cfg.output_dir if is_remote(cfg.output_dir) else os.path.abspath(cfg.output_dir)
+    teacher = replace(cfg.teacher, model=absolute(cfg.teacher.model), tokenizer=absolute(cfg.teacher.tokenizer))
+    prepared = replace(prepared, scorer=replace(prepared.scorer, model=absolute(prepared.scorer.model)))
+    return (replace(cfg, output_dir=output_dir, teacher=teacher), prepared,
+            [replace(spec, path=absolute(spec.path)) for spec in pending])
 
 
 def _local_inputs(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec]) -> list[str]:
