@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+from pipeline.config import UserError
 from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ STALE_AFTER_S = 60.0  # a lock object whose heartbeat is older than this is take
 SETTLE_S = 1.0  # wait before reading a freshly written lock object back
 
 
-class DatasetBusyError(RuntimeError):
+class DatasetBusyError(UserError, RuntimeError):
     """Another job is writing the same folder (a scored dataset or a training run)."""
 
 

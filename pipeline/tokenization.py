@@ -23,8 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
+from pipeline.config import UserError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(UserError, ValueError):
     """A tokenizer that cannot be used for offset-based alignment."""
 
 

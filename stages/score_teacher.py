@@ -60,6 +60,7 @@ def print_summary(s: JobSummary) -> None:
     rows = [
         ("dataset", f"{s.output_dir} ({status})"),
         ("shards", f"{s.shards_scored} scored now, {s.shards_done_before} already done, {s.shards_planned} planned"),
+        ("actors", ", ".join(f"{a['hostname']} ({a['node_ip']})" for a in s.actors) or "none this run"),
         ("documents", f"{s.documents:,} stored ({s.documents_this_run:,} this run)"),
         ("teacher tokens", f"{s.tokens:,} ({s.tokens_this_run:,} this run)"),
         ("throughput", f"{s.tokens_per_s:,.0f} tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
@@ -70,6 +71,9 @@ def print_summary(s: JobSummary) -> None:
     notes = {k: v for k, v in s.reasons.items() if k not in SKIP_REASONS + ZERO_TOKEN_REASONS}
     if notes:
         rows.append(("scored, noted", ", ".join(f"{k}: {v}" for k, v in notes.items())))
+    if s.failed:
+        rows.append(("failed, skipped", "; ".join(f"shard {f['index']} after {f['attempts']} tries: {f['error']}"
+                                                  for f in s.failed) + " (rerun the same command to score them)"))
     for k, v in rows:
         table.add_row(k, v)
     console = Console()

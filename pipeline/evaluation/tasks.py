@@ -20,12 +20,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config import UserError
 from pipeline.evaluation import answers as A
 
 LETTERS = "ABCDE"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A task file that cannot be read; the message names the file and line."""
 
 

@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.config import check_at_least, check_choice
+from pipeline.config import UserError, check_at_least, check_choice
 from storage_schemas import filesystem, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ HF_SCHEME = "hf://"
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl"}
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A corpus that cannot be read; the message names the file and the problem."""
 
 

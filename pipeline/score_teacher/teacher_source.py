@@ -19,12 +19,14 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.config import UserError
+
 HUB_TIMEOUT_S = 10.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json")
 
 
-class TeacherSourceError(RuntimeError):
+class TeacherSourceError(UserError, RuntimeError):
     """The teacher's files cannot be had as configured; the message is one line."""
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import check_choice, refuse
+from pipeline.config import UserError, check_choice, refuse
 from pipeline.folder_lock import LOCK_NAME
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from storage_schemas import (
@@ -55,7 +55,7 @@ from storage_schemas import filesystem as sfs
 from storage_schemas.layout import MARKER_SUFFIX
 
 
-class DatasetMismatchError(RuntimeError):
+class DatasetMismatchError(UserError, RuntimeError):
     """The output folder holds a dataset scored with another identity."""
 
 
@@ -158,8 +158,11 @@ def write_shard(
     shard_source: dict,
     code_version: str,
     storage: StorageConfig = StorageConfig(),
+    scored_by: dict | None = None,
 ) -> dict:
-    """Write one shard whole, then its completion marker (module docstring); returns the marker entry."""
+    """Write one shard whole, then its completion marker (module docstring); returns the marker entry.
+    ``scored_by`` (which node scored it, on which try) goes into the marker only, never into the
+    shard file, so the file's bytes do not depend on where it was scored."""
     schema = schema_with_metadata(identity, {"index": index, **shard_source}, code_version)
     docs = result.documents
     if storage.loss_precision != "float32":
@@ -182,6 +185,8 @@ def write_shard(
         "reasons": dict(sorted(result.reasons.items())),
         "skipped": result.skipped,
     }
+    if scored_by is not None:
+        entry["scored_by"] = scored_by
     write_json_atomic(sfs.child(folder, marker_of(file)), entry)
     return entry
 
@@ -386,10 +391,12 @@ def write_manifest(
     *,
     location: dict | None = None,
     adopted_from: dict | None = None,
+    failed: list[dict] | None = None,
 ) -> dict:
     """Write ``manifest.json`` from the finished shards' entries. ``location`` (where the teacher
     and corpus were found) is for people and never compared; ``adopted_from`` is the format-1
-    identity that shards written before a migration still carry."""
+    identity that shards written before a migration still carry; ``failed`` lists the shards the
+    run gave up on (index, error, attempts), which have no marker and are scored by the next run."""
     shards = [done[i] for i in sorted(done)]
     reasons: dict[str, int] = {}
     for entry in shards:
@@ -414,5 +421,7 @@ def write_manifest(
         manifest["location"] = location
     if adopted_from is not None:
         manifest["adopted_from"] = adopted_from
+    if failed is not None:
+        manifest["failed"] = sorted(failed, key=lambda f: f["index"])
     write_json_atomic(sfs.child(folder, MANIFEST_NAME), manifest)
     return manifest

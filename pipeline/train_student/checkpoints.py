@@ -22,6 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.config import UserError
 from storage_schemas import write_json_atomic
 from storage_schemas.reader import data_identity_differences
 from storage_schemas import iter_identity_differences
@@ -35,7 +36,7 @@ DATA_IDENTITY_NAME = "data_identity.json"
 COMPLETE_NAME = "checkpoint_complete.json"
 
 
-class RunMismatchError(RuntimeError):
+class RunMismatchError(UserError, RuntimeError):
     """The run folder holds a run with another recipe or other data; resuming would not be exact."""
 
 

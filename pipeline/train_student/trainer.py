@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
+from pipeline.config import UserError
 from pipeline.train_student.checkpoints import mark_complete
 from pipeline.train_student.guided_loss import SelectionConfig, guided_loss
 
@@ -47,7 +48,7 @@ _SUMS = ("tokens", "n_valid", "n_mapped", "n_selected", "n_kept", "loss_kept", "
          "teacher_loss_kept", "teacher_loss_dropped", "excess_loss")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient; the run stopped."""
 
 
