@@ -18,6 +18,7 @@ from storage_schemas.identity import (  # noqa: F401
     shard_identity_differences,
 )
 from storage_schemas.layout import (  # noqa: F401
+    CARD_NAME,
     MANIFEST_NAME,
     SHARD_RE,
     complete_shard_files,

@@ -29,11 +29,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage_schemas import MANIFEST_NAME, ROW_SCHEMA, ContractError, filesystem, schema as schema_module
+from storage_schemas import CARD_NAME, MANIFEST_NAME, ROW_SCHEMA, ContractError, filesystem, schema as schema_module
 
 log = logging.getLogger(__name__)
 
-CARD_NAME = "README.md"
 STATS_TOKEN_BUDGET = 100_000_000  # losses read for the statistics, at most about this many
 QUANTILES = {"p10": 0.1, "median": 0.5, "p90": 0.9}
 BATCH_ROWS = 256  # documents per record batch read for the statistics

@@ -109,8 +109,8 @@ def init_ray(rc: RayConfig) -> bool:
     with shipped_code(rc) as env:
         if rc.address:
             ray.init(address=rc.address, runtime_env=env, **kwargs)
-        else:
-            ray.init(num_cpus=rc.num_cpus, runtime_env=env, **kwargs)
+        else:  # a new local cluster, never one that happens to run on this machine
+            ray.init(address="local", num_cpus=rc.num_cpus, runtime_env=env, **kwargs)
     return True
 
 

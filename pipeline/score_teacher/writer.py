@@ -37,6 +37,7 @@ from pipeline.config import UserError, check_choice, refuse
 from pipeline.folder_lock import LOCK_NAME
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from storage_schemas import (
+    CARD_NAME,
     IDENTITY_FORMAT,
     MANIFEST_NAME,
     ROW_SCHEMA,
@@ -329,7 +330,7 @@ def _clear_dataset(folder: Path | str) -> None:
     for name in sfs.file_sizes(folder):
         if name == LOCK_NAME:
             continue
-        if SHARD_RE.match(name) or name.endswith(MARKER_SUFFIX) or name == MANIFEST_NAME:
+        if SHARD_RE.match(name) or name.endswith(MARKER_SUFFIX) or name in (MANIFEST_NAME, CARD_NAME):
             sfs.delete(sfs.child(folder, name))
         elif name.startswith(".") and ".tmp-" in name:
             sfs.delete(sfs.child(folder, name))
