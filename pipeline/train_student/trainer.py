@@ -38,7 +38,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from pipeline.train_student.checkpoints import mark_complete
-from pipeline.train_student.guided_loss import SelectionConfig, guided_loss
+from pipeline.train_student.guided_loss import SelectionConfig, guided_selection
+from pipeline.train_student.teachers import TeacherMetrics
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,10 @@ class NonFiniteGuard:
 
 class GuidedTrainer(Trainer):
     def __init__(self, *args, selection: SelectionConfig, seed: int = 0, guard: NonFiniteGuard | None = None,
-                 **kwargs):
+                 teacher_metrics: TeacherMetrics | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.teacher_metrics = teacher_metrics  # several teachers (docs/METHOD.md §2.6)
+        self._teacher_sums = self._teacher_step_sums = None
         self.selection = selection
         self.selection_seed = seed
         self.guard = guard or NonFiniteGuard()
@@ -106,12 +109,14 @@ class GuidedTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logits = model(input_ids=inputs["input_ids"]).logits  # (B, T, V)
-        loss, stats = guided_loss(
+        selection = guided_selection(
             logits, inputs["labels"], inputs.get("teacher_loss"), inputs.get("mapped"),
             self.selection, generator=self._generator(logits.device),
         )
+        loss, stats = selection.loss, selection.stats
         if model.training:
             self._accumulate(inputs, stats, loss)
+            self._accumulate_teachers(inputs, selection)
         return (loss, {"logits": logits}) if return_outputs else loss
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
@@ -185,6 +190,7 @@ class GuidedTrainer(Trainer):
                 kept = torch.cat([kept[:1], torch.zeros_like(kept[1:])])
             self._sums = kept if self._sums is None else self._sums + kept
         self._step_sums = self._step_nonfinite = None
+        self._close_teacher_step(skip)
         stop = self.guard.record(step, finite=not skip)
         if skip:
             self._skipped_since_log += 1
@@ -214,6 +220,7 @@ class GuidedTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._sums is not None:  # a training logging step, on every rank
             logs.update(self._selection_metrics())
+            logs.update(self._teacher_log())
             logs.update(nonfinite_steps=len(self.guard.skipped), skipped_steps=self._skipped_since_log)
             self._skipped_since_log = 0
         super().log(logs, start_time)
@@ -242,6 +249,34 @@ class GuidedTrainer(Trainer):
             "sample_first": float(samples[0]),
             "sample_last": float(samples[1]),
         }
+
+    # ---- several teachers (docs/METHOD.md §2.6) ------------------------------------------------
+
+    def _accumulate_teachers(self, inputs, selection) -> None:
+        """Add a micro-batch's per-teacher sums (:class:`TeacherMetrics`) to the current step's."""
+        if self.teacher_metrics is None or "teacher_losses" not in inputs:
+            return
+        sums = self.teacher_metrics.sums(selection.token_loss, selection.valid, selection.selected,
+                                         inputs["teacher_losses"], inputs["teacher_loss"])
+        self._teacher_step_sums = sums if self._teacher_step_sums is None else self._teacher_step_sums + sums
+
+    def _close_teacher_step(self, skip: bool) -> None:
+        """At the end of an optimizer step: its sums count unless the step was skipped."""
+        sums, self._teacher_step_sums = self._teacher_step_sums, None
+        if sums is not None and not skip:
+            self._teacher_sums = sums if self._teacher_sums is None else self._teacher_sums + sums
+
+    def _teacher_log(self) -> dict[str, float]:
+        """The per-teacher metrics since the last log (all ranks' sums)."""
+        if self.teacher_metrics is None:
+            return {}
+        sums = self._teacher_sums
+        if sums is None:
+            sums = torch.zeros(self.teacher_metrics.n_sums, dtype=torch.float64, device=self.args.device)
+        if self.args.world_size > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+        self._teacher_sums = None
+        return self.teacher_metrics.metrics(sums.tolist())
 
     @property
     def tokens_per_step(self) -> int:
