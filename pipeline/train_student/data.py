@@ -31,6 +31,12 @@ How it is built
    where unmapped) and ``mapped``. BOS/EOS are unmapped; so is every token of a document the
    teacher stored with zero tokens (whitespace-only texts): such documents are trained as unmapped.
 
+Several teachers (METHOD 2.6): :func:`build_student_data` takes one scored dataset per teacher,
+matches their documents (:func:`pipeline.train_student.teachers.match_teachers`), plans the stream
+of the matched documents, and each worker aligns every document to each teacher separately and
+combines the losses per student token; each position then also carries every teacher's ``L_t``
+(``teacher_losses``, (L, T)) for the per-teacher metrics. With one teacher nothing of this runs.
+
 Alignment methods: ``token`` (METHOD 2.1 span overlap, aggregated with max/mean/min), ``chunk``
 (the C-chunk ablation, a mean per chunk) and ``one_to_one`` (same-vocabulary Rho-1; needs identical
 spans). :func:`resolve_alignment` turns ``token`` into ``one_to_one`` when the student's tokenizer

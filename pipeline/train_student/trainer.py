@@ -1,9 +1,9 @@
 """The Hugging Face ``Trainer`` with the teacher-guided loss (docs/METHOD.md §2.2), its metrics and
 its checkpoint records.
 
-:class:`GuidedTrainer` changes ``transformers.Trainer`` in four ways:
+:class:`GuidedTrainer` changes ``transformers.Trainer`` in five ways:
 
-* ``compute_loss`` hands the student's logits to :func:`pipeline.train_student.guided_loss.guided_loss`
+* ``compute_loss`` hands the student's logits to :func:`pipeline.train_student.guided_loss.guided_selection`
   with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.train_student.data`),
   ``teacher_loss`` and ``mapped``. The loss is a per-micro-batch mean, so the top k% is selected
   per micro-batch and per rank, see docs/METHOD.md §2.2. ``random`` mode seeds its draw with
@@ -13,6 +13,10 @@ its checkpoint records.
 * every log adds token-weighted statistics of the selection since the last log (``loss_kept``,
   ``loss_all``, ``kept_fraction``, ``mapped_fraction``, ``teacher_loss_kept``/``_dropped``,
   ``excess_loss``, ``tokens_per_s``, ``tokens_seen``, ``sample_first``/``sample_last``).
+* with several teachers (docs/METHOD.md §2.6) every log also adds per-teacher metrics
+  (:class:`pipeline.train_student.teachers.TeacherMetrics`: ``decided_t<i>``,
+  ``mapped_fraction_t<i>``, ``selection_jaccard_t<a>_t<b>``), kept in the section "several
+  teachers" below; a skipped step's sums are dropped, as for the other metrics.
 * a step whose loss (any micro-batch, any rank) or gradient is not finite is skipped whole: the
   optimizer does nothing, while the step still counts (batches consumed, schedule advanced), so a
   resumed run stays exact. After ``max_in_a_row`` such steps in a row the trainer saves a

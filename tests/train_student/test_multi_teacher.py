@@ -326,6 +326,34 @@ def test_a_document_only_a_later_teacher_holds_joins_the_stream(micro_scored, tm
     np.testing.assert_allclose(doc.teacher_loss[inner], want, equal_nan=True)
 
 
+def test_a_document_listed_twice_by_one_teacher_is_refused(micro_scored, tmp_path, student_tok):
+    doubled = ScoredDataset.open(micro_scored).find_document(None, min_tokens=1)
+    again = ScoredDocument(doubled.doc_id, doubled.text, doubled.ids, doubled.starts, doubled.ends, doubled.losses)
+    other = rewrite(micro_scored, tmp_path / "b", "micro-b", extra=[again])
+    with pytest.raises(TeacherMismatchError, match=rf"micro-b .*more than once: {doubled.doc_id}"):
+        build([micro_scored, other], student_tok)
+
+
+def test_a_teachers_unreadable_shard_is_named_or_skipped_and_its_documents_missing(micro_scored, tmp_path, student_tok):
+    other = rewrite(micro_scored, tmp_path / "b", "micro-b")
+    victim = other / "shard-000001.parquet"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:100] + bytes(len(data) - 100))  # same size, footer gone
+    from storage_schemas.reader import BadShardError
+
+    with pytest.raises(BadShardError, match="shard-000001.parquet"):
+        build([micro_scored, other], student_tok)
+    lost = pq.read_table(micro_scored / "shard-000001.parquet", columns=["doc_id"]).column("doc_id").to_pylist()
+    with pytest.raises(TeacherMismatchError, match=rf"micro-b .*lacks {len(lost)} document.*{lost[0]}"):
+        build_student_data(open_teachers([str(micro_scored), str(other)], on_bad_shard="skip"), student_tok,
+                           PackingConfig(seq_len=32), AlignmentConfig(), on_bad_shard="skip")
+    data = build_student_data(open_teachers([str(micro_scored), str(other)], on_bad_shard="skip"), student_tok,
+                              PackingConfig(seq_len=32), AlignmentConfig(), on_bad_shard="skip",
+                              missing_documents="unmapped")
+    assert data.teachers.missing == [0, len(lost)]
+    assert [s["file"] for s in data.scored.skipped] == ["shard-000001.parquet"]
+
+
 def test_teacher_weights_must_match_the_teachers(micro_scored, twin, student_tok):
     with pytest.raises(ValueError, match=r"3 weight\(s\) for 2 teachers \(micro, micro-twin"):
         build([micro_scored, twin], student_tok, combine="weighted", teacher_weights=[1.0, 1.0, 1.0])
