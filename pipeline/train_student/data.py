@@ -60,7 +60,7 @@ import torch
 
 from pipeline.config import check_at_least, check_choice, refuse
 from pipeline.train_student.align import AGGREGATIONS, DocumentAlignment, align_document, align_documents
-from pipeline.train_student.teachers import COMBINATIONS, TeacherMatch, combine_losses
+from pipeline.train_student.teachers import COMBINATIONS, TeacherMatch, combine_losses, file_name
 from storage_schemas.reader import BadShardError, ScoredDataset, ShardInfo, ShardReader, read_row_group
 from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
 
@@ -630,7 +630,7 @@ def _teacher_identity(dataset: ScoredDataset, alignment: AlignmentConfig) -> dic
     return {
         "teacher": dataset.teacher,
         "folders": [{"complete": f.complete, "identity": f.identity} for f in dataset.folders],
-        "shards_used": [{"file": s.path.name, "folder": s.folder, "sha256": s.sha256, "rows": s.rows}
+        "shards_used": [{"file": file_name(s), "folder": s.folder, "sha256": s.sha256, "rows": s.rows}
                         for s in dataset.shards],
         "alignment": {"method": alignment.method, "aggregate": alignment.aggregate, "n_chunks": alignment.n_chunks},
     }

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from storage_schemas import identity_format
 from storage_schemas.reader import (
     BadShardError,
     ContractError,
@@ -69,9 +70,19 @@ def group_folders(folders: Sequence[str]) -> list[list[str]]:
 
 def open_teachers(folders: Sequence[str], *, on_bad_shard: str = "error", verify: str = "size",
                   allow_partial: bool = False) -> list[ScoredDataset]:
-    """One opened and validated :class:`ScoredDataset` per teacher (module docstring)."""
+    """One opened and validated :class:`ScoredDataset` per teacher (module docstring). Folders that
+    would form several teachers are all opened in one call first when one of them is of identity
+    format 1 (teacher recorded by path): its refusal names the migration that makes it comparable."""
+    groups = group_folders(folders)
+    if len(groups) > 1 and any(identity_format(ScoredDataset.open(f).folders[0].identity) == 1 for f in folders):
+        open_scored_dataset(folders, on_bad_shard=on_bad_shard, verify=verify, allow_partial=allow_partial)
     return [open_scored_dataset(group, on_bad_shard=on_bad_shard, verify=verify, allow_partial=allow_partial)
-            for group in group_folders(folders)]
+            for group in groups]
+
+
+def file_name(shard: ShardInfo) -> str:
+    """A shard's file name, whether its path is a local ``Path`` or an object-store URI."""
+    return str(shard.path).rstrip("/").rsplit("/", 1)[-1]
 
 
 def teacher_names(datasets: Sequence[ScoredDataset]) -> list[str]:
@@ -105,7 +116,7 @@ def _read_keys(dataset: ScoredDataset, on_bad_shard: str) -> _Keys:
         try:
             groups = [read_row_group(shard, g) for g in range(len(shard.row_group_rows))]
         except BadShardError as exc:
-            bad.append({"folder": shard.folder, "file": shard.path.name, "reason": str(exc)})
+            bad.append({"folder": shard.folder, "file": file_name(shard), "reason": str(exc)})
             continue
         for table in groups:
             ids.append(table.column("doc_id"))
