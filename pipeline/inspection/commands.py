@@ -22,6 +22,9 @@ Commands (``command=``):
   share, teacher tokens per student token and chunk-level IoU/IoS against the chunk count.
 * ``card``, ``path=<dataset>``: (re)writes the dataset card ``README.md`` in the dataset folder
   itself (:mod:`pipeline.score_teacher.card`; stage 1 writes it at the end of every run).
+* ``two-teachers``, ``path=<dataset> other=<dataset> student=S``: the same corpus scored by two
+  teachers, aligned to one student: correlation of the aligned losses and the share of tokens where
+  the teachers' top-``two_teachers.ratio`` selections disagree (:mod:`pipeline.inspection.two_teachers`).
 
 Outputs go to ``out_dir`` (default ``<dataset>/inspect``; for a dataset on an object store the
 local ``outputs/inspect/<scheme>/<bucket>/<key>``; ``outputs/inspect/vocab-overlap`` for an overlap
@@ -48,8 +51,8 @@ Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute
 INSPECT_DIR = "inspect"  # default output folder inside the dataset folder
 REMOTE_OUT_ROOT = "outputs/inspect"  # default output root for a dataset on an object store
 OVERLAP_OUT_DIR = "outputs/inspect/vocab-overlap"  # vocab-overlap without a dataset
-NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots", "card")
-NEEDS_STUDENT = ("vocab-overlap", "align-report")
+NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots", "card", "two-teachers")
+NEEDS_STUDENT = ("vocab-overlap", "align-report", "two-teachers")
 
 
 def default_out_dir(folder) -> Path:
@@ -72,6 +75,10 @@ def config_problems(cfg) -> list[str]:
         problems.append(f"student: command={cfg.command} needs student=<tokenizer>")
     if cfg.command == "vocab-overlap" and not (cfg.teacher or cfg.path):
         problems.append("teacher: command=vocab-overlap needs teacher=<tokenizer> (or path=<dataset> to use its teacher's)")
+    if cfg.command == "two-teachers" and not cfg.other:
+        problems.append("other: command=two-teachers needs other=<the second teacher's scored dataset folder>")
+    if cfg.command == "two-teachers" and not 0.0 < cfg.two_teachers.ratio <= 1.0:
+        problems.append(f"two_teachers.ratio: {cfg.two_teachers.ratio} is not in (0, 1]")
     align = {k: cfg.align[k] for k in ("how", "chunk_counts", "limit_docs")}
     if align["how"] not in AGGREGATIONS:
         problems.append(f"align.how: {align['how']!r} is not one of {', '.join(AGGREGATIONS)}")
@@ -343,6 +350,20 @@ def cmd_card(ctx: Context) -> int:
     return 0
 
 
+def cmd_two_teachers(ctx: Context) -> int:
+    from pipeline.inspection.two_teachers import renderables, two_teachers
+    from storage_schemas.reader import ScoredDataset
+
+    other = ScoredDataset.open(_dataset_location(ctx.cfg.other, ctx.resolve))
+    report = two_teachers(ctx.dataset, other, ctx.student_tokenizer(), student=ctx.cfg.student, how=ctx.cfg.align.how,
+                          ratio=float(ctx.cfg.two_teachers.ratio), limit_docs=ctx.cfg.align.limit_docs)
+    for item in renderables(report):
+        ctx.console.print(item)
+    name = f"{tokenizer_slug(other.name)}--{tokenizer_slug(ctx.cfg.student)}.json"
+    write_json(ctx.out_dir / "two-teachers" / name, report.to_dict(), ctx.console)
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Context], int]] = {
     "summary": cmd_summary,
     "validate": cmd_validate,
@@ -351,6 +372,7 @@ COMMANDS: dict[str, Callable[[Context], int]] = {
     "html": cmd_html,
     "plots": cmd_plots,
     "card": cmd_card,
+    "two-teachers": cmd_two_teachers,
 }
 
 

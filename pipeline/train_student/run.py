@@ -43,8 +43,9 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
 )
 from pipeline.train_student.data import AlignmentConfig, PackingConfig, StudentData, build_student_data
 from pipeline.train_student.guided_loss import SelectionConfig
+from pipeline.train_student.teachers import MISSING_RULES, open_teachers
 from storage_schemas import filesystem as sfs
-from storage_schemas.reader import ON_BAD_SHARD, VERIFY, open_scored_dataset
+from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,12 @@ class DataConfig:
     num_workers: int = 1  # data-loader worker processes (tokenization and alignment run there)
     prefetch_factor: int | None = None
     length_workers: int = 1  # processes for the one-off token count pass
+    missing_documents: str = "refuse"  # several teachers: a document one lacks is refused | unmapped for it
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "on_bad_shard", self.on_bad_shard, ON_BAD_SHARD)
+        check_choice(found, "missing_documents", self.missing_documents, MISSING_RULES)
         check_choice(found, "verify", self.verify, VERIFY)
         check_at_least(found, "epochs", self.epochs, 1)
         if not self.folders:
@@ -161,7 +164,8 @@ class TrainJobConfig:
     def recipe(self) -> dict:
         """What a resumed run must share with the interrupted one (``run.json``)."""
         data = {k: v for k, v in asdict(self.data).items()
-                if k not in ("folders", "num_workers", "prefetch_factor", "length_workers", "cache_dir")}
+                if k not in ("folders", "num_workers", "prefetch_factor", "length_workers", "cache_dir",
+                             "missing_documents")}  # several teachers: in the data identity
         train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL}
         student = {k: v for k, v in asdict(self.student).items() if k != "name"}
         loss = {**asdict(self.selection), "aggregate": self.alignment.aggregate,
@@ -377,9 +381,7 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
     return TrainSummary(
         output_dir=job.output_dir, final_model=str(final), steps=steps, resumed_from=checkpoint,
         tokens_per_step=tokens_per_step, tokens_trained=(steps - start_step) * tokens_per_step, seconds=seconds,
-        data={**data.plan.summary(), "alignment": data.alignment.method, "aggregate": data.alignment.aggregate,
-              "shards_used": len(data.scored.shards), "shards_skipped": data.scored.skipped,
-              "teacher": data.scored.teacher.get("teacher", {}).get("name")},
+        data=data.summary(),
         last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
         nonfinite_steps=list(trainer.guard.skipped),
     )
@@ -387,9 +389,10 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
 
 def prepare_data(job: TrainJobConfig, tokenizer) -> StudentData:
     d = job.data
-    scored = open_scored_dataset(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
+    scored = open_teachers(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
     return build_student_data(scored, tokenizer, _packing(job), job.alignment, cache_dir=d.cache_dir,
-                              num_proc=d.length_workers, on_bad_shard=d.on_bad_shard)
+                              num_proc=d.length_workers, on_bad_shard=d.on_bad_shard,
+                              missing_documents=d.missing_documents)
 
 
 def _packing(job: TrainJobConfig) -> PackingConfig:
@@ -536,4 +539,13 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
         selection=job.selection,
         seed=job.train.seed,
         guard=guard,
+        teacher_metrics=_teacher_metrics(job, data),
     )
+
+
+def _teacher_metrics(job: TrainJobConfig, data: StudentData):
+    """Per-teacher metrics of a several-teacher run (None with one teacher)."""
+    from pipeline.train_student.teachers import TeacherMetrics
+
+    sources = data.dataset.teachers
+    return None if sources is None else TeacherMetrics(sources.names, sources.combine, sources.weights, job.selection)

@@ -128,7 +128,7 @@ def test_make_bench_quick_writes_json_and_markdown(tmp_path):
            "fallback_docs=20", "scored_dataset=" + str(tmp_path / "none")]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=1800)
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert set(report["cases"]) == {"alignment", "stage1", "storage", "guided_loss", "student_data", "memory"}
+    assert set(report["cases"]) == {"alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers"}
     for f in report["figures"]:
         assert f["status"] in ("pass", "miss", "info"), f
         assert f["value"] is not None and f["value"] > 0
