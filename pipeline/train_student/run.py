@@ -438,12 +438,13 @@ def check_token_budget(job: TrainJobConfig, scored, world_size: int, accumulatio
     if asked <= bound:
         return
     epochs = math.ceil((asked * samples_per_step * job.student.seq_len + 1) / per_pass)
+    fewer = (f"train.max_tokens={bound * tokens_per_step} or less (or train.max_steps={bound}, or neither: one pass)"
+             if bound else "a smaller global batch")
     raise ValueError(
         f"{what} asks for {asked:,} optimizer steps of {tokens_per_step:,} tokens ({asked * tokens_per_step:,} "
         f"tokens); the scored data holds {teacher_tokens:,} teacher tokens in {len(scored.shards)} shard(s), at most "
         f"{per_pass:,} student tokens per pass (<= {d.token_ratio_bound} per teacher token, data.token_ratio_bound, "
-        f"plus BOS/EOS per document) x {d.epochs} pass(es): at most {bound:,} steps. Ask for at most "
-        f"train.max_tokens={bound * tokens_per_step} (or train.max_steps={bound}, or neither: one pass), or for "
+        f"plus BOS/EOS per document) x {d.epochs} pass(es): at most {bound:,} steps. Ask for {fewer}, or for "
         f"data.epochs={epochs} or more, or score more data."
     )
 
@@ -452,6 +453,8 @@ def _number_of_steps(job: TrainJobConfig, data: StudentData, world_size: int, ac
                      tokens_per_step: int) -> int:
     samples_per_step = job.train.micro_batch_size * world_size * accumulation
     available = data.plan.n_samples // samples_per_step
+    log.info("one pass: %d packed samples, %d optimizer steps of %d tokens", data.plan.n_samples, available,
+             tokens_per_step)
     if job.train.max_steps is not None:
         steps = job.train.max_steps
     elif job.train.max_tokens is not None:
