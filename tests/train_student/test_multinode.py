@@ -291,3 +291,55 @@ def test_two_launchers_killed_after_a_checkpoint_resume_to_the_same_run(tiny_stu
     a, b = load_file(run / "final" / "model.safetensors"), load_file(straight / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     print(f"largest relative difference from one process: {assert_like_one_process(run, reference, steps):.3g}")
+
+
+RANK_ZERO_WORKER = """
+import json, os, sys
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.train_student.data import _on_rank_zero
+from storage_schemas.reader import BadShardError
+
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+torch.distributed.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+calls, record = [], {}
+
+def counts():
+    calls.append("counts")
+    return [np.arange(5, dtype=np.int32), "shard-000001.parquet: unreadable"]
+
+def fails():
+    calls.append("fails")
+    raise BadShardError("shard-000007.parquet: row group 0 cannot be read")
+
+got = _on_rank_zero(counts)
+record["counts"] = [g.tolist() if isinstance(g, np.ndarray) else g for g in got]
+try:
+    _on_rank_zero(fails)
+    record["fails"] = "returned"
+except BadShardError as exc:
+    record["fails"] = f"BadShardError: {exc}"
+record["calls"] = calls
+Path(out, f"{rank}.json").write_text(json.dumps(record))
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_rank_zero_computes_and_every_rank_gets_its_result_or_its_error(tmp_path):
+    """Two real gloo processes: only rank 0 runs the computation; rank 1 gets the same value, and
+    when rank 0 fails, rank 1 raises the same error instead of waiting for the timeout."""
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_ZERO_WORKER, str(r), port, str(tmp_path)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    zero, one = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
+    assert zero["calls"] == ["counts", "fails"] and one["calls"] == []
+    assert zero["counts"] == one["counts"] == [[0, 1, 2, 3, 4], "shard-000001.parquet: unreadable"]
+    assert zero["fails"] == one["fails"] == "BadShardError: shard-000007.parquet: row group 0 cannot be read"
