@@ -453,8 +453,8 @@ def _number_of_steps(job: TrainJobConfig, data: StudentData, world_size: int, ac
                      tokens_per_step: int) -> int:
     samples_per_step = job.train.micro_batch_size * world_size * accumulation
     available = data.plan.n_samples // samples_per_step
-    log.info("one pass: %d packed samples, %d optimizer steps of %d tokens", data.plan.n_samples, available,
-             tokens_per_step)
+    log.info("the packed data (%d pass(es)): %d samples, %d optimizer steps of %d tokens", job.data.epochs,
+             data.plan.n_samples, available, tokens_per_step)
     if job.train.max_steps is not None:
         steps = job.train.max_steps
     elif job.train.max_tokens is not None:
