@@ -7,10 +7,15 @@ first ``n`` samples sees exactly the batches an uninterrupted run would have see
 How it is built
 ---------------
 1. **Lengths** (:func:`measure_documents`, once per student tokenizer and shard): every document
-   of every shard is tokenized with the student tokenizer to count its tokens. The counts are
-   cached as ``<cache_dir>/<tokenizer sha256[:16]>/<shard sha256>.npy``, so several runs of one
-   student (and every rank of a distributed run) reuse them. This pass reads every shard whole,
-   so a corrupt shard is found here, before training (an error naming the file, or skipped).
+   of every shard is tokenized with the student tokenizer to count its tokens, reading only the
+   ``text`` column. The counts are cached as ``<cache_dir>/<tokenizer sha256[:16]>/<shard
+   sha256>.npy``, so later runs of one student reuse them. In a distributed run only the global
+   rank 0 counts (and reads and writes the cache); the other ranks, on any node, receive its
+   counts, so the pass is done once per run whether or not the nodes share the cache. A shard
+   whose text cannot be decoded is found here (an error naming the file, or skipped); the other
+   columns are decoded by the data-loader workers, which name the file and row group of a
+   damaged one. With ``on_bad_shard="skip"`` this pass decodes every column instead, so that a
+   damaged shard is left out before the packing plan is made.
 2. **Order** (:func:`build_plan`): for each epoch ``e`` the shards are permuted with
    ``default_rng([seed, e])`` and the rows inside each shard with ``default_rng([seed, e, shard])``
    (``shuffle=false`` keeps file order). Shuffling stays within shards so that reading stays local
@@ -58,13 +63,18 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.config import check_at_least, check_choice, refuse
+from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
 from pipeline.train_student.align import AGGREGATIONS, DocumentAlignment, align_document, align_documents
 from pipeline.train_student.teachers import COMBINATIONS, TeacherMatch, combine_losses, file_name
 from storage_schemas.reader import BadShardError, ScoredDataset, ShardInfo, ShardReader, read_row_group
 from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
 
 log = logging.getLogger(__name__)
+
+
+class StudentDataError(UserError, ValueError):
+    """A scored row that does not fit the student data plan or the other teachers (names the file and row)."""
+
 
 ALIGNMENTS = ("token", "chunk", "one_to_one")
 
@@ -145,26 +155,12 @@ def measure_documents(
     """Student token counts per document, one int32 array per shard (module docstring, step 1).
 
     Returns the dataset (without the shards that failed to read when ``on_bad_shard="skip"``,
-    which are added to its ``skipped`` list) and the counts of its shards, in order.
+    which are added to its ``skipped`` list) and the counts of its shards, in order. Every rank
+    of a distributed run gets the same result from one count on the global rank 0.
     """
     require_fast(tokenizer, "student tokenizer")
-    folder = Path(cache_dir) / fingerprint(tokenizer)[:16] if cache_dir else None
-    results: list[np.ndarray | str | None] = [_cached_lengths(folder, s) for s in dataset.shards]
-    todo = [i for i, r in enumerate(results) if r is None]
-    if todo:
-        log.info("counting student tokens of %d shard(s) (cached for later runs)", len(todo))
-        jobs = [(dataset.shards[i], tokenizer) for i in todo]
-        if num_proc > 1 and len(todo) > 1:
-            import multiprocessing
-
-            with ProcessPoolExecutor(min(num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-                computed = list(pool.map(_count_shard, jobs))
-        else:
-            computed = [_count_shard(job) for job in jobs]
-        for i, value in zip(todo, computed):
-            results[i] = value
-            if folder is not None and not isinstance(value, str):
-                _store_lengths(folder, dataset.shards[i], value)
+    full = on_bad_shard == "skip"
+    results = _on_rank_zero(lambda: _shard_lengths(dataset, tokenizer, cache_dir, num_proc, full))
     bad = [{"file": str(s.path), "reason": r} for s, r in zip(dataset.shards, results) if isinstance(r, str)]
     if bad and on_bad_shard == "error":
         raise BadShardError("\n".join(f"{b['file']}: {b['reason']}" for b in bad))
@@ -178,13 +174,62 @@ def measure_documents(
     return kept, [results[i] for i in keep]
 
 
-def _count_shard(job: tuple[ShardInfo, object]) -> np.ndarray | str:
-    """Token counts of one shard's documents, or the reason it cannot be read."""
-    shard, tokenizer = job
+def _shard_lengths(dataset: ScoredDataset, tokenizer, cache_dir, num_proc: int, full: bool) -> list[np.ndarray | str]:
+    """Each shard's token counts (from the cache, else counted and stored), or why it cannot be read."""
+    folder = Path(cache_dir) / fingerprint(tokenizer)[:16] if cache_dir else None
+    results: list[np.ndarray | str | None] = [_cached_lengths(folder, s) for s in dataset.shards]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        log.info("counting student tokens of %d shard(s) (cached for later runs)", len(todo))
+        jobs = [(dataset.shards[i], tokenizer, full) for i in todo]
+        if num_proc > 1 and len(todo) > 1:
+            import multiprocessing
+
+            with ProcessPoolExecutor(min(num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+                computed = list(pool.map(_count_shard, jobs))
+        else:
+            computed = [_count_shard(job) for job in jobs]
+        for i, value in zip(todo, computed):
+            results[i] = value
+            if folder is not None and not isinstance(value, str):
+                _store_lengths(folder, dataset.shards[i], value)
+    return results
+
+
+def _on_rank_zero(compute):
+    """``compute()`` on the global rank 0 only, its result (or its exception) handed to every rank
+    of the process group; just ``compute()`` outside a distributed run. The other ranks wait in
+    the broadcast, as long as the process group's timeout (``train.ddp_timeout``)."""
+    import pickle
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return compute()
+    message: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            message[0] = ("ok", compute())
+        except Exception as exc:  # the other ranks raise it too instead of waiting for ever
+            try:
+                pickle.dumps(exc)
+                message[0] = ("error", exc)
+            except Exception:
+                message[0] = ("error", RuntimeError(f"{type(exc).__name__}: {exc}"))
+    dist.broadcast_object_list(message, src=0)
+    status, value = message[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def _count_shard(job: tuple[ShardInfo, object, bool]) -> np.ndarray | str:
+    """Token counts of one shard's documents, or the reason it cannot be read. Reads the ``text``
+    column only, or every column with ``full`` (decoding them all validates the file)."""
+    shard, tokenizer, full = job
     counts = []
     try:
         for group in range(len(shard.row_group_rows)):
-            table = read_row_group(shard, group)  # all columns: decoding them all validates the file
+            table = read_row_group(shard, group, None if full else ["text"])
             counts += count_tokens(tokenizer, table.column("text").to_pylist())
     except BadShardError as exc:
         return str(exc)
@@ -224,7 +269,7 @@ def _store_lengths(folder: Path, shard: ShardInfo, lengths: np.ndarray) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}.npy"
     np.save(tmp, lengths)
-    os.replace(tmp, path)  # concurrent writers (one per node) write identical files
+    os.replace(tmp, path)  # concurrent runs of one student write identical files
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,7 +389,7 @@ class TeacherSources:
     def of(cls, match: TeacherMatch, alignments: Sequence[AlignmentConfig], config: AlignmentConfig) -> "TeacherSources":
         weights = tuple(config.teacher_weights) if config.combine == "weighted" else None
         if weights is not None and len(weights) != len(match.names):
-            raise ValueError(f"loss.teacher_weights has {len(weights)} weight(s) for {len(match.names)} teachers "
+            raise ConfigError(f"loss.teacher_weights has {len(weights)} weight(s) for {len(match.names)} teachers "
                              f"({', '.join(match.names)}, in data.folders' order)")
         return cls(shards=match.shards, shard=match.shard, row=match.row, offsets=match.offsets,
                    alignments=tuple(alignments), names=tuple(match.names), combine=config.combine, weights=weights)
@@ -368,9 +413,11 @@ class PackedDataset(torch.utils.data.Dataset):
     size x workers x processes): the first request reads ahead at that stride, and later ones
     when they came at the same stride as the request before them. A wrong guess costs time,
     never a different sample: each document is a pure function of its row, so a sample is
-    the same alone, in any batch, in any worker, in any order and after a resume. The cache holds
-    at most ``2 * readahead_tokens`` tokens (at least four samples' worth) beyond the documents of
-    the current request.
+    the same alone, in any batch, in any worker, in any order and after a resume. Read-ahead
+    stops before sample ``end`` (the run sets it to the number of samples it trains), so with
+    the stride guessed right a process decodes only row groups that hold documents of its own
+    samples. The cache holds at most ``2 * readahead_tokens`` tokens (at least four samples'
+    worth) beyond the documents of the current request.
     """
 
     def __init__(
@@ -392,10 +439,11 @@ class PackedDataset(torch.utils.data.Dataset):
         self.bos_id = tokenizer.bos_token_id
         self.eos_id = tokenizer.eos_token_id
         if plan.add_bos and self.bos_id is None:
-            raise ValueError("add_bos is set but the student tokenizer has no BOS token")
+            raise ConfigError("add_bos is set but the student tokenizer has no BOS token")
         if plan.add_eos and self.eos_id is None:
-            raise ValueError("the student tokenizer has no EOS token to put between documents")
+            raise ConfigError("the student tokenizer has no EOS token to put between documents")
         self.readahead_tokens = max(0, readahead_tokens)
+        self.end = plan.n_samples  # read ahead no further than this sample (the run sets its last trained one + 1)
         self.cache_tokens = max(2 * self.readahead_tokens, 4 * plan.seq_len)
         self._reader: ShardReader | None = None
         self._docs: OrderedDict[int, StudentDocument] = OrderedDict()
@@ -459,8 +507,9 @@ class PackedDataset(torch.utils.data.Dataset):
             return []
         ahead, tokens = [], 0
         first, last = first + stride, last + stride
-        while first < self.plan.n_samples and tokens < self.readahead_tokens:
-            for d in self.plan.document_span(first, min(last, self.plan.n_samples - 1)):
+        end = min(self.end, self.plan.n_samples)
+        while first < end and tokens < self.readahead_tokens:
+            for d in self.plan.document_span(first, min(last, end - 1)):
                 if not ahead or d > ahead[-1]:  # a long document spans many samples: count it once
                     ahead.append(d)
                     tokens += self.plan.document_length(d)
@@ -511,7 +560,7 @@ class PackedDataset(torch.utils.data.Dataset):
             expected = int(self.plan.doc_end[d] - (self.plan.doc_end[d - 1] if d else 0))
             n = len(encoding) + int(self.plan.add_bos) + int(self.plan.add_eos)
             if n != expected:
-                raise RuntimeError(
+                raise StudentDataError(
                     f"{self.shards[shard].path} row {row}: {n} student tokens, the length plan says {expected}; "
                     "the length cache does not match this tokenizer (delete it)"
                 )
@@ -544,7 +593,7 @@ class PackedDataset(torch.utils.data.Dataset):
                     align_document(encoding, row.starts, row.ends, row.losses, alignment.aggregate,
                                    text_len=len(row.text), **options)
                 except ValueError as exc:
-                    raise ValueError(f"{shards[shard].path} row {index}: {exc}") from exc
+                    raise StudentDataError(f"{shards[shard].path} row {index}: {exc}") from exc
             raise
 
     def _align_teachers(self, encodings, rows, where) -> tuple[list[DocumentAlignment], list[np.ndarray]]:
@@ -559,7 +608,7 @@ class PackedDataset(torch.utils.data.Dataset):
             own = [rows[i] if place == where[i] else self._reader.row(*place) for i, place in zip(have, mine)]
             for i, place, row in zip(have, mine, own):
                 if row.text != rows[i].text:  # matched by digest when the data was opened: the files changed since
-                    raise ValueError(f"{t.shards[place[0]].path} row {place[1]}: teacher {t.names[k]} holds another "
+                    raise StudentDataError(f"{t.shards[place[0]].path} row {place[1]}: teacher {t.names[k]} holds another "
                                      f"text than {self.shards[where[i][0]].path} row {where[i][1]}")
             done = dict(zip(have, self._align([encodings[i] for i in have], own, mine, alignment, t.shards)))
             columns.append([done[i].teacher_loss if i in done else np.full(len(encodings[i]), np.nan, np.float32)
@@ -670,7 +719,7 @@ def _build_several(datasets: list[ScoredDataset], tokenizer, packing: PackingCon
     from pipeline.train_student.teachers import match_teachers, teacher_names
 
     if alignment.combine == "weighted" and len(alignment.teacher_weights) != len(datasets):
-        raise ValueError(f"loss.teacher_weights has {len(alignment.teacher_weights)} weight(s) for {len(datasets)} "
+        raise ConfigError(f"loss.teacher_weights has {len(alignment.teacher_weights)} weight(s) for {len(datasets)} "
                          f"teachers ({', '.join(teacher_names(datasets))}, in data.folders' order)")
     match = match_teachers(datasets, missing=missing_documents, on_bad_shard=on_bad_shard)
     stream, lengths = measure_documents(match.stream, tokenizer, cache_dir, num_proc=num_proc,

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pipeline.config import ConfigError
 from storage_schemas import identity_format
 from storage_schemas.reader import (
     BadShardError,
@@ -183,7 +184,7 @@ def match_teachers(datasets: Sequence[ScoredDataset], missing: str = "refuse",
     import pyarrow.compute as pc
 
     if missing not in MISSING_RULES:
-        raise ValueError(f"missing must be one of {MISSING_RULES}, got {missing!r}")
+        raise ConfigError(f"missing must be one of {MISSING_RULES}, got {missing!r}")
     keys = [_read_keys(d, on_bad_shard) for d in datasets]
     names = teacher_names(datasets)
     for name, k in zip(names, keys):
@@ -275,7 +276,7 @@ def combine_losses(losses: np.ndarray, how: str, weights: Sequence[float] | None
     not map the token): NaN only where no teacher maps it; ``mean``/``weighted`` over the teachers
     that map it. Returns (N,) float32."""
     if how not in COMBINATIONS:
-        raise ValueError(f"combine must be one of {COMBINATIONS}, got {how!r}")
+        raise ConfigError(f"combine must be one of {COMBINATIONS}, got {how!r}")
     losses = np.asarray(losses, dtype=np.float32)
     if how == "min":
         return np.fmin.reduce(losses, axis=1) if losses.shape[1] else np.full(len(losses), np.nan, np.float32)
@@ -283,7 +284,7 @@ def combine_losses(losses: np.ndarray, how: str, weights: Sequence[float] | None
         return np.fmax.reduce(losses, axis=1) if losses.shape[1] else np.full(len(losses), np.nan, np.float32)
     w = np.ones(losses.shape[1]) if how == "mean" else np.asarray(weights, dtype=np.float64)
     if w.shape != (losses.shape[1],):
-        raise ValueError(f"{losses.shape[1]} teachers but {w.size} teacher weights")
+        raise ConfigError(f"{losses.shape[1]} teachers but {w.size} teacher weights")
     mapped = ~np.isnan(losses)  # (N, T)
     total = np.where(mapped, losses.astype(np.float64) * w, 0.0).sum(axis=1)
     weight = (mapped * w).sum(axis=1)

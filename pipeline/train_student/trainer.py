@@ -9,7 +9,9 @@ its checkpoint records.
   per micro-batch and per rank, see docs/METHOD.md §2.2. ``random`` mode seeds its draw with
   ``(seed, step, micro-batch, rank)``, so a resumed run draws the same tokens.
 * the sampler is sequential: the dataset is already in its shuffled order, so the Trainer's resume
-  (skip the batches already trained) lands exactly on the next sample.
+  (skip the batches already trained) lands exactly on the next sample. It stops at the dataset's
+  ``end`` (the samples the run trains), so no data-loader worker, prefetching ahead, reads a
+  sample past the last step.
 * every log adds token-weighted statistics of the selection since the last log (``loss_kept``,
   ``loss_all``, ``kept_fraction``, ``mapped_fraction``, ``teacher_loss_kept``/``_dropped``,
   ``excess_loss``, ``tokens_per_s``, ``tokens_seen``, ``sample_first``/``sample_last``).
@@ -108,7 +110,8 @@ class GuidedTrainer(Trainer):
     # ---- data --------------------------------------------------------------------------------
 
     def _get_train_sampler(self, train_dataset=None):
-        return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return torch.utils.data.SequentialSampler(range(min(getattr(dataset, "end", len(dataset)), len(dataset))))
 
     # ---- loss --------------------------------------------------------------------------------
 
