@@ -43,9 +43,8 @@ COMPLETION_SEED = 1000  # the held-out worked problems: one fixed set for every 
 
 def check(cfg: DictConfig) -> None:
     problems = []
-    for name, seeds in cfg.seed_sets.items():
-        if not seeds:
-            problems.append(f"seed_sets.{name}: at least one seed is needed")
+    if not any(cfg.seed_sets[arm.seeds] for arm in cfg.arms.values() if arm.seeds in cfg.seed_sets):
+        problems.append("seed_sets: no arm has a seed to run")
     corpora = {MAIN_CORPUS, *cfg.student_corpora}
     for name, arm in cfg.arms.items():
         if arm.teacher not in cfg.teachers:
@@ -150,18 +149,19 @@ def main(cfg: DictConfig) -> None:
     artifacts = Path(to_absolute_path(cfg.artifacts_dir))
     spec = CorpusSpec(**plain(cfg, "corpus"))
     corpora = build_corpora(artifacts, spec)
-    used_corpora = {arm.get("corpus", MAIN_CORPUS) for arm in cfg.arms.values()}
+    arms = {name: arm for name, arm in cfg.arms.items() if cfg.seed_sets[arm.seeds]}  # an empty seed set: not run
+    used_corpora = {arm.get("corpus", MAIN_CORPUS) for arm in arms.values()}
     corpus_files = {name: corpora.student_files if name == MAIN_CORPUS else
                     build_student_corpus(artifacts, spec, noise_share(cfg, name)) for name in sorted(used_corpora)}
-    used_teachers = sorted({arm.teacher for arm in cfg.arms.values()})  # only what the arms need
-    used_students = sorted({arm.student for arm in cfg.arms.values()})
+    used_teachers = sorted({arm.teacher for arm in arms.values()})  # only what the arms need
+    used_students = sorted({arm.student for arm in arms.values()})
     teachers = {name: build_teacher(artifacts, TeacherSpec(name=name, **plain(cfg.teachers[name])), corpora)
                 for name in used_teachers}
     pretrain = PretrainSpec(**plain(cfg, "pretrain"))
     students = {name: build_student(artifacts, StudentSpec(name=name, **plain(cfg.students[name])), corpora, pretrain)
                 for name in used_students}
     build_s = time.perf_counter() - t0
-    pairs = {(arm.teacher, arm.get("corpus", MAIN_CORPUS)) for arm in cfg.arms.values()}
+    pairs = {(arm.teacher, arm.get("corpus", MAIN_CORPUS)) for arm in arms.values()}
     scored = score(cfg, teachers, pairs, corpus_files)
     score_s = time.perf_counter() - t0 - build_s
 

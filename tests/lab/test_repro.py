@@ -270,56 +270,95 @@ def test_selection_diagnosis_by_hand():
 # End to end: the real stage, tiny settings
 
 
-def test_make_repro_end_to_end_small(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"{README_START}\n{README_END}\n")
-    keep = {"guided", "cpt", "bbpe_guided"}
-    drop = [f"~arms.{a}" for a in ("random", "guided_weak_teacher", "chunk_32", "chunk_4", "unmapped_exclude",
-                                    "aggregate_mean", "aggregate_min", "bbpe_cpt")]
-    args = [
+KEEP = ("guided", "cpt", "random_r20", "guided_noise0", "cpt_noise0", "bbpe_guided")
+
+
+def _small_args(tmp_path: Path, readme: Path) -> list[str]:
+    """The full pipeline at tiny settings: six arms (the main pair, one sweep arm, the noise-free
+    corpus's pair, the second student), two seeds for main arms and one for the rest."""
+    drop = [f"~arms.{a}" for a in _conf_arms() if a not in KEEP] + ["~student_corpora.noise25"]
+    return [
         sys.executable, "-m", "stages.repro", *drop,
         f"artifacts_dir={tmp_path / 'artifacts'}", f"work_dir={tmp_path / 'work'}", f"report_dir={tmp_path / 'report'}",
         f"readme={readme}", "corpus.student_docs=36", "corpus.teacher_docs=60", "corpus.held_out_docs=4",
         "teachers.strong.steps=3", "students.spm.vocab_size=600", "students.bbpe.vocab_size=300",
         "corpus.pretrain_docs=30", "pretrain.steps=3", "pretrain.block=64", "pretrain.batch_size=2",
-        "seeds=[0,1]", "train_steps=2", "eval.completions=4", "eval.window=64",
+        "seed_sets.main=[0,1]", "seed_sets.sweep=[0]", "train_steps=2", "eval.completions=4", "eval.window=64",
         "train_overrides=[" + ",".join(f"'{o}'" for o in (
             "student.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "train.logging_steps=1",
             "train.cpu_threads=1", "data.num_workers=0")) + "]",
         f"hydra.run.dir={tmp_path / 'hydra'}",
     ]
+
+
+def _conf_arms() -> list[str]:
+    from omegaconf import OmegaConf
+
+    return list(OmegaConf.load(ROOT / "conf" / "repro.yaml").arms)
+
+
+def test_make_repro_end_to_end_small(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{README_START}\n{README_END}\n")
+    args = _small_args(tmp_path, readme)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert {r["arm"] for r in report["runs"]} == keep and len(report["runs"]) == 6
-    assert all(r["steps"] == 2 and r["tokens_trained"] == 2 * 2 * 64 for r in report["runs"])
-    assert all(0 < r["bits_per_byte"] < 20 for r in report["runs"])
-    # one scored folder (the strong teacher's) serves both students; the unused weak teacher is never built
-    assert {r["scored_folder"] for r in report["runs"]} == {"repro-student/strong/v1"}  # <corpus>/<teacher>/v<schema>, no machine paths
-    assert (tmp_path / "work" / "scored" / "repro-student" / "strong" / "v1" / "manifest.json").is_file()
-    assert not (tmp_path / "artifacts" / "teacher-weak").exists()
-    assert "| guided |" in readme.read_text()
+    runs = report["runs"]
+    assert sorted((r["arm"], r["seed"]) for r in runs) == sorted(
+        [("guided", 0), ("guided", 1), ("cpt", 0), ("cpt", 1)] + [(a, 0) for a in KEEP[2:]])
+    assert all(r["steps"] == 2 and r["tokens_trained"] == 2 * 2 * 64 for r in runs)
+    assert all(0 < r["bits_per_byte"] < 20 for r in runs)
+    for r in runs:  # the answer measures: both kinds, a choice between three candidates
+        assert {k: v["n"] for k, v in r["answers"].items()} == {"arithmetic": 4, "restate": 4}
+        assert all(0 <= v["choice_accuracy"] <= 1 and v["bits_per_byte"] > 0 for v in r["answers"].values())
+    by_arm = {r["arm"]: r for r in runs}
+    assert (by_arm["random_r20"]["mode"], by_arm["random_r20"]["ratio"]) == ("random", 0.2)
+    assert by_arm["cpt"]["ratio"] == 1.0 and by_arm["guided_noise0"]["noise_share"] == 0.0
+    # one scored folder (the strong teacher's) serves both students; the noise-free corpus has its own
+    assert {r["scored_folder"] for r in runs} == {"repro-student/strong/v1", "repro-student-noise0/strong/v1"}
+    assert by_arm["bbpe_guided"]["scored_folder"] == by_arm["guided"]["scored_folder"]
+    assert not (tmp_path / "artifacts" / "teacher-weak").exists()  # the unused weak teacher is never built
+    corpora = report["setup"]["student_corpora"]
+    assert corpora["noise0"]["docs_by_kind"].get("noise", 0) == 0 and corpora["main"]["docs_by_kind"]["noise"] > 0
+    assert set(report["diagnosis"]) == {"spm", "bbpe"}
+    for d in report["diagnosis"].values():  # kept shares by page kind add up to one
+        assert sum(k["kept_share_of_all_kept"] for k in d["by_kind"].values()) == pytest.approx(1.0)
+    assert "**" in readme.read_text() and (tmp_path / "report" / "sweep.png").is_file()
     bases = report["setup"]["base_students"]  # both base students evaluated before continual pretraining
     assert set(bases) == {"spm", "bbpe"} and all(0 < b["bits_per_byte"] < 20 for b in bases.values())
-    assert (tmp_path / "artifacts" / "student-spm-base" / "pretraining.json").is_file()
-    assert (tmp_path / "report" / "report.png").is_file()
 
-    # a rerun trains nothing: every run is read back from its result file
-    proc2 = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # a rerun trains nothing: every run is read back from its result file, and the report is the same
+    first = (tmp_path / "report" / "report.json").read_text()
+    proc2 = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
-    assert proc2.stderr.count("(cached)") + proc2.stdout.count("(cached)") == 6
+    assert proc2.stderr.count("(cached)") + proc2.stdout.count("(cached)") == len(runs)
     again = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert [r["bits_per_byte"] for r in again["runs"]] == [r["bits_per_byte"] for r in report["runs"]]
+    assert [r["bits_per_byte"] for r in again["runs"]] == [r["bits_per_byte"] for r in runs]
+    assert again["claims"] == json.loads(first)["claims"]
+
+    # report_only after losing one run: reported as partial, nothing trained
+    (tmp_path / "work" / "students" / "cpt" / "seed1" / "repro_result.json").unlink()
+    proc3 = subprocess.run(args + ["report_only=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc3.returncode == 0, proc3.stderr[-3000:]
+    partial = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert len(partial["runs"]) == len(runs) - 1 and partial["setup"]["runs_planned"] == len(runs)
+    assert f"Partial report: {len(runs) - 1} of the {len(runs)} planned runs" in (tmp_path / "report" / "report.md").read_text()
 
 
-def test_bad_settings_end_with_one_line_and_exit_2(tmp_path):
-    args = [sys.executable, "-m", "stages.repro", "arms.guided.teacher=nobody", "seeds=[]",
+def test_bad_settings_end_with_one_line_each_and_exit_2(tmp_path):
+    args = [sys.executable, "-m", "stages.repro", "arms.guided.teacher=nobody", "seed_sets.main=[]",
+            "seed_sets.sweep=[]", "arms.cpt.seeds=other", "arms.guided_noise0.corpus=dirty", "student_corpora.noise25=1.5",
             f"artifacts_dir={tmp_path / 'a'}", f"work_dir={tmp_path / 'w'}", f"hydra.run.dir={tmp_path / 'h'}"]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "seeds: at least one seed is needed" in proc.stderr
-    assert "arms.guided.teacher: 'nobody' is not one of strong, weak" in proc.stderr
+    for line in ("seed_sets: no arm has a seed to run",
+                 "arms.guided.teacher: 'nobody' is not one of strong, weak",
+                 "arms.cpt.seeds: 'other' is not one of main, sweep, ablation",
+                 "arms.guided_noise0.corpus: 'dirty' is not one of main, noise0, noise25",
+                 "student_corpora.noise25: noise share 1.5 is not in [0, 1]"):
+        assert line in proc.stderr, (line, proc.stderr[-2000:])
     assert not (tmp_path / "a").exists() and not (tmp_path / "w").exists()  # refused before building anything
 
 
