@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.lab.repro.diagnose import select_top, summarize_selection
+from pipeline.lab.repro.diagnose import select_top, summarize_selection, token_losses
 from pipeline.lab.repro.evaluate import Completion, answer_scores, bits_per_byte, completion_items, continuation_losses
 from pipeline.lab.repro.report import (
     README_END,
@@ -249,6 +249,29 @@ def test_write_report_files_and_readme_section(tmp_path):
     assert "sweep.png" in text and "**holds**" in text and "Latest run: 2026-11-21" in text
     assert record["claims"][0]["verdict"] == "holds"
     assert update_readme(tmp_path / "out" / "report.md", "x") is False  # no markers: untouched
+
+
+def test_token_losses_match_the_models_own_loss(digit_first_model):
+    """Batched, padded windows give each document's per-token losses: with a window covering the
+    document they sum to the HF loss of <s> + document; with short windows every token is still
+    predicted once."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    _, tokenizer = digit_first_model
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(digit_first_model[0].config)
+    docs = [np.array(tokenizer(t, add_special_tokens=False)["input_ids"])
+            for t in ("the answer is 1 + 2 = 3 .", "7 7", "Solution: 2 + 1 = 3 . the answer is 3 .")]
+    got = token_losses(model, tokenizer.bos_token_id, docs, block=64, batch_size=2)
+    for ids, losses in zip(docs, got):
+        x = torch.tensor([[tokenizer.bos_token_id, *ids.tolist()]])
+        with torch.no_grad():
+            expected = model(input_ids=x, labels=x).loss.item() * len(ids)
+        assert losses.shape == (len(ids),) and losses.sum() == pytest.approx(expected, rel=1e-5)
+    short = token_losses(model, tokenizer.bos_token_id, docs, block=4, batch_size=3)
+    assert [len(x) for x in short] == [len(d) for d in docs]
+    assert short[1] == pytest.approx(got[1], rel=1e-5)  # fits in one window either way
 
 
 def test_selection_diagnosis_by_hand():

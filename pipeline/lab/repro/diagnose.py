@@ -32,20 +32,32 @@ def page_kinds(files: list[Path]) -> dict[str, str]:
     return kinds
 
 
-def token_losses(model, first: int, ids: np.ndarray, block: int) -> np.ndarray:
-    """(N,) next-token loss of each of ``ids`` after ``first``, in windows of ``block`` inputs that
-    each start with the previous window's last token (as the held-out bits per byte)."""
+def token_losses(model, first: int, documents: list[np.ndarray], block: int, batch_size: int = 16) -> list[np.ndarray]:
+    """Per document, (N,) next-token loss of each of its ids after ``first``, in windows of
+    ``block`` inputs that each start with the previous window's last token (as the held-out bits
+    per byte); windows of all documents are batched together."""
     import torch
     import torch.nn.functional as F
 
-    seq = torch.tensor([first, *ids.tolist()], dtype=torch.long)
-    out = []
+    windows = []  # (document, window ids)
+    for d, ids in enumerate(documents):
+        seq = [first, *ids.tolist()]
+        windows += [(d, seq[start : start + block + 1]) for start in range(0, len(seq) - 1, block)]
+    pieces: list[list[np.ndarray]] = [[] for _ in documents]
     with torch.inference_mode():
-        for start in range(0, len(seq) - 1, block):
-            piece = seq[start : start + block + 1]
-            logits = model(input_ids=piece[None, :-1]).logits[0].float()  # (T, V)
-            out.append(F.cross_entropy(logits, piece[1:], reduction="none"))
-    return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
+        for i in range(0, len(windows), batch_size):
+            batch = windows[i : i + batch_size]
+            width = max(len(w) for _, w in batch)
+            x = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for r, (_, w) in enumerate(batch):
+                x[r, : len(w)] = torch.tensor(w)
+                mask[r, : len(w)] = 1
+            logits = model(input_ids=x[:, :-1], attention_mask=mask[:, :-1]).logits.float()  # (B, T, V)
+            loss = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")  # (B, T)
+            for r, (d, w) in enumerate(batch):
+                pieces[d].append(loss[r, : len(w) - 1].numpy())
+    return [np.concatenate(p) if p else np.zeros(0, dtype=np.float32) for p in pieces]
 
 
 def select_top(excess: np.ndarray, mapped: np.ndarray, ratio: float) -> np.ndarray:
@@ -89,7 +101,6 @@ def diagnose_selection(student_folder: str | Path, scored_folder: str | Path, co
                        ratio: float = 0.4, block: int = 256) -> dict:
     """:func:`summarize_selection` for a base student over a scored corpus, plus alignment quality
     (mean IoS over mapped tokens, mean document IoU) for the (teacher, student) pair."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.inspection.align_report import iter_aligned
@@ -112,18 +123,19 @@ def diagnose_selection(student_folder: str | Path, scored_folder: str | Path, co
     kinds = page_kinds(corpus_files)
     parts: dict[str, list[np.ndarray]] = {"kind": [], "l_s": [], "l_t": [], "mapped": [], "ios": []}
     doc_iou = []
-    with torch.inference_mode():
-        for record, aligned in iter_aligned(dataset, tokenizer, how="max", chunk_counts=()):
-            n = len(aligned.student)
-            if n == 0:
-                continue
-            parts["kind"].append(np.full(n, kinds.get(record.doc_id, "?"), dtype=object))
-            parts["l_s"].append(token_losses(model, first, aligned.student.ids, block))
-            parts["l_t"].append(aligned.teacher_loss.astype(np.float64))
-            parts["mapped"].append(aligned.token.mapped)
-            parts["ios"].append(aligned.token.ios)
-            if not math.isnan(aligned.doc_iou):
-                doc_iou.append(aligned.doc_iou)
+    ids = []
+    for record, aligned in iter_aligned(dataset, tokenizer, how="max", chunk_counts=()):
+        n = len(aligned.student)
+        if n == 0:
+            continue
+        ids.append(aligned.student.ids)
+        parts["kind"].append(np.full(n, kinds.get(record.doc_id, "?"), dtype=object))
+        parts["l_t"].append(aligned.teacher_loss.astype(np.float64))
+        parts["mapped"].append(aligned.token.mapped)
+        parts["ios"].append(aligned.token.ios)
+        if not math.isnan(aligned.doc_iou):
+            doc_iou.append(aligned.doc_iou)
+    parts["l_s"] = token_losses(model, first, ids, block)
     cat = {k: np.concatenate(v) for k, v in parts.items()}
     out = summarize_selection(cat["kind"], cat["l_s"], cat["l_t"], cat["mapped"].astype(bool), cat["ios"], ratio)
     out["ios_mean"] = float(np.nanmean(cat["ios"][cat["mapped"].astype(bool)]))

@@ -480,7 +480,7 @@ def _json_safe(x):
 
 
 def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Path, readme: Path | None,
-                 diagnosis: dict | None = None, findings: str = "") -> dict:
+                 diagnosis: dict | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = summarize(results)
     claims = check_claims(arms, results)
@@ -499,7 +499,6 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
         *([f"**Partial report: {setup['n_runs']} of the {setup['runs_planned']} planned runs had finished.** "
            "Comparisons use the seeds both arms finished.", ""]
           if setup.get("runs_planned", setup["n_runs"]) > setup["n_runs"] else []),
-        *([findings, ""] if findings else []),
         "## The rule", "", RULE, "",
         "## Claims", "", claim_table, "",
         "## Power", "", power_markdown(setup, arms), "",
