@@ -101,6 +101,7 @@ def diagnose_selection(student_folder: str | Path, scored_folder: str | Path, co
                        ratio: float = 0.4, block: int = 256) -> dict:
     """:func:`summarize_selection` for a base student over a scored corpus, plus alignment quality
     (mean IoS over mapped tokens, mean document IoU) for the (teacher, student) pair."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.inspection.align_report import iter_aligned
@@ -135,7 +136,12 @@ def diagnose_selection(student_folder: str | Path, scored_folder: str | Path, co
         parts["ios"].append(aligned.token.ios)
         if not math.isnan(aligned.doc_iou):
             doc_iou.append(aligned.doc_iou)
-    parts["l_s"] = token_losses(model, first, ids, block)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small forwards: one thread is as fast, and spin-waiting threads starve on a busy machine
+    try:
+        parts["l_s"] = token_losses(model, first, ids, block)
+    finally:
+        torch.set_num_threads(threads)
     cat = {k: np.concatenate(v) for k, v in parts.items()}
     out = summarize_selection(cat["kind"], cat["l_s"], cat["l_t"], cat["mapped"].astype(bool), cat["ios"], ratio)
     out["ios_mean"] = float(np.nanmean(cat["ios"][cat["mapped"].astype(bool)]))

@@ -146,7 +146,7 @@ def fmt_test(p: dict | None, digits: int = 4) -> str:
 
 def _part(p: dict | None, claimed: int = -1) -> dict:
     label = f"{p['a']} - {p['b']}" if p else "not run"
-    return {"comparison": label, "test": p, "verdict": verdict(p, claimed), "text": f"{label}: {fmt_test(p)}"}
+    return {"comparison": label, "test": p, "verdict": verdict(p, claimed), "text": f"{label}: {fmt_test(p)}" if p else ""}
 
 
 def sweep_points(arms: dict[str, ArmSummary]) -> dict[str, list[tuple[int, str]]]:
@@ -268,7 +268,7 @@ def table_markdown(arms: dict[str, ArmSummary], order: list[str]) -> str:
 def claims_markdown(claims: list[dict]) -> str:
     lines = ["| # | claim | verdict | evidence: A - B in bits/byte, mean, 95% CI, p, seeds |", "|---|---|---|---|"]
     for c in claims:
-        evidence = "<br>".join(f"{e['text']}: {e['verdict']}" for e in c["evidence"])
+        evidence = "<br>".join(f"{e['text']}: {e['verdict']}" if e["text"] else e["verdict"] for e in c["evidence"])
         lines.append(f"| {c['claim']} | {c['text']} | **{c['verdict']}** | {evidence} |")
     return "\n".join(lines)
 
