@@ -81,6 +81,9 @@ def score(cfg: DictConfig, teachers: dict[str, Path], pairs: set[tuple[str, str]
     for teacher, corpus in sorted(pairs):
         data_name = corpus_name(corpus)
         out = dataset_dir(work / "scored", data_name, teacher)
+        if cfg.report_only:  # nothing is trained, so nothing is scored: a run can be finished only if its folder is
+            folders[teacher, corpus] = os.path.abspath(out)
+            continue
         stage_cfg = compose(config_name="score_teacher", overrides=[
             f"teacher.model={teachers[teacher]}", f"teacher.name=repro-{teacher}", "teacher.embedded=false",
             f"data.name={data_name}", "data.embedded=false", f"data.files=[{corpus_files[corpus][0].parent}/*.parquet]",
