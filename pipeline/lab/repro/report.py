@@ -528,8 +528,11 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
               "runs": [portable(r) for r in results]}
     (out_dir / "report.json").write_text(json.dumps(_json_safe(record), indent=1, default=str) + "\n")
     if readme is not None and readme.is_file():
-        update_readme(readme, f"Latest run: {setup['finished'][:10]}, {setup['machine']}, {setup['seconds'] / 60:.1f} min "
-                              f"({setup['n_runs']} runs). Full report: `{out_dir.name}/report.md`.\n\n"
+        partial = setup.get("runs_planned", setup["n_runs"]) > setup["n_runs"]
+        runs = (f"partial: {setup['n_runs']} of {setup['runs_planned']} planned runs" if partial
+                else f"{setup['n_runs']} runs, {setup['seconds'] / 60:.1f} min")
+        update_readme(readme, f"Latest run: {setup['finished'][:10]}, {setup['machine']} ({runs}). "
+                              f"Full report: `{out_dir.name}/report.md`.\n\n"
                               + (f"![sweep]({out_dir.name}/sweep.png)\n\n" if has_sweep else "") + claim_table)
     return record
 
