@@ -75,17 +75,9 @@ class Corpora:
     pretrain_texts: list[str] = field(default_factory=list)  # the base students' pretraining mixture
 
     def describe(self) -> dict:
-        kinds: dict[str, int] = {}
-        chars: dict[str, int] = {}
-        for f in self.student_files:
-            t = pq.read_table(f, columns=["text", "metadata"]).to_pydict()
-            for text, meta in zip(t["text"], t["metadata"]):
-                kind = json.loads(meta or "{}").get("kind", "?")
-                kinds[kind] = kinds.get(kind, 0) + 1
-                chars[kind] = chars.get(kind, 0) + len(text or "")
-        total = sum(chars.values()) or 1
-        return {"student_docs_by_kind": kinds, "student_chars_by_kind": chars,
-                "noise_char_share": round(chars.get("noise", 0) / total, 4),
+        student = describe_student_corpus(self.student_files)
+        return {"student_docs_by_kind": student["docs_by_kind"], "student_chars_by_kind": student["chars_by_kind"],
+                "noise_char_share": student["noise_char_share"],
                 "teacher_docs": len(self.teacher_texts), "teacher_chars": sum(map(len, self.teacher_texts)),
                 "held_out_docs": len(self.held_out), "held_out_bytes": sum(len(t.encode()) for t in self.held_out),
                 "pretrain_docs": len(self.pretrain_texts), "pretrain_chars": sum(map(len, self.pretrain_texts))}
@@ -95,9 +87,7 @@ def build_corpora(root: str | os.PathLike, spec: CorpusSpec) -> Corpora:
     """The student corpus (Parquet in OpenWebMath's schema), the teachers' clean texts and the
     held-out clean pages (no long problem collections, which would dominate the evaluation)."""
     root = Path(root)
-    student_files = build_sample_corpus(root / f"student-corpus-n{spec.student_docs}-s{spec.seed}",
-                                        n_docs=spec.student_docs, n_files=4, seed=spec.seed,
-                                        noise_share=spec.noise_share)
+    student_files = build_student_corpus(root, spec, spec.noise_share)
     teacher_files = build_sample_corpus(root / f"teacher-corpus-n{spec.teacher_docs}-s{spec.seed + 1}",
                                         n_docs=spec.teacher_docs, n_files=2, seed=spec.seed + 1, noise_share=0.0)
     held_out = []
@@ -112,6 +102,26 @@ def build_corpora(root: str | os.PathLike, spec: CorpusSpec) -> Corpora:
     pretrain = [d["text"] for d in generate_documents(spec.pretrain_docs, seed=spec.seed + 3, noise_share=spec.noise_share)
                 if d["text"] and d["text"].strip()]
     return Corpora(student_files, clean_texts(teacher_files), held_out[: spec.held_out_docs], noise, pretrain)
+
+
+def build_student_corpus(root: str | os.PathLike, spec: CorpusSpec, noise_share: float) -> list[Path]:
+    """The student corpus at a given noise share (same size and seed as ``spec``'s), as Parquet."""
+    return build_sample_corpus(Path(root) / f"student-corpus-n{spec.student_docs}-s{spec.seed}-noise{noise_share:g}",
+                               n_docs=spec.student_docs, n_files=4, seed=spec.seed, noise_share=noise_share)
+
+
+def describe_student_corpus(files: list[Path]) -> dict:
+    """Pages and characters by kind (clean, noise, empty) and the noise share of the characters."""
+    kinds: dict[str, int] = {}
+    chars: dict[str, int] = {}
+    for f in files:
+        t = pq.read_table(f, columns=["text", "metadata"]).to_pydict()
+        for text, meta in zip(t["text"], t["metadata"]):
+            kind = json.loads(meta or "{}").get("kind", "?")
+            kinds[kind] = kinds.get(kind, 0) + 1
+            chars[kind] = chars.get(kind, 0) + len(text or "")
+    total = sum(chars.values()) or 1
+    return {"docs_by_kind": kinds, "chars_by_kind": chars, "noise_char_share": round(chars.get("noise", 0) / total, 4)}
 
 
 def build_teacher(root: str | os.PathLike, spec: TeacherSpec, corpora: Corpora) -> Path:

@@ -22,7 +22,7 @@ from pipeline.train_student.run import TrainJobConfig
 
 log = logging.getLogger(__name__)
 RESULT = "repro_result.json"
-COMPLETIONS = "repro_completions.jsonl"
+EVALUATION = "bits-per-byte+answers"  # names what a result holds: a new measure set invalidates cached results
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class RunTask:
     seed: int
     teacher: str
     student: str
+    corpus: str  # the student corpus variant's name
+    noise_share: float
     job: TrainJobConfig
     held_out: tuple[str, ...]
     completion_seed: int
@@ -39,7 +41,8 @@ class RunTask:
 
     def key(self) -> str:
         recipe = {"job": asdict(self.job), "held_out": hashlib.sha256("\x00".join(self.held_out).encode()).hexdigest(),
-                  "completion_seed": self.completion_seed, "n_completions": self.n_completions, "window": self.window}
+                  "completion_seed": self.completion_seed, "n_completions": self.n_completions, "window": self.window,
+                  "measures": EVALUATION}
         return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -67,13 +70,13 @@ def train_and_evaluate(task: RunTask) -> dict:
         summary = run_training(task.job)  # the trainer's per-step log lines go to the run's log file
         items = completion_items(task.n_completions, task.completion_seed)
         scores = evaluate_model(summary.final_model, list(task.held_out), items, task.window)
-    completions = scores.pop("completions")
     result = {
         "key": task.key(), "arm": task.arm, "seed": task.seed, "teacher": task.teacher, "student": task.student,
+        "corpus": task.corpus, "noise_share": task.noise_share, "mode": task.job.selection.mode,
+        "ratio": 1.0 if task.job.selection.mode == "cpt" else task.job.selection.ratio,
         "scored_folder": task.job.data.folders[0], "steps": summary.steps, "tokens_trained": summary.tokens_trained,
         "train_seconds": round(summary.seconds, 1), "last_log": summary.last_log, **scores,
     }
-    (out / COMPLETIONS).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in completions))
     write_json_atomic(out / RESULT, result)
     return result
 
@@ -89,8 +92,9 @@ def _init_worker() -> None:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
 
 
-def run_tasks(tasks: list[RunTask], parallel: int, on_result=None) -> list[dict]:
-    """Every task's result (cached ones first, without starting a process), in task order."""
+def run_tasks(tasks: list[RunTask], parallel: int, on_result=None, train: bool = True) -> list[dict]:
+    """Every task's result (cached ones first, without starting a process), in task order;
+    ``train=False``: only the cached ones."""
     results: dict[int, dict] = {}
     pending = []
     for i, task in enumerate(tasks):
@@ -101,7 +105,7 @@ def run_tasks(tasks: list[RunTask], parallel: int, on_result=None) -> list[dict]
                 on_result(hit, cached=True)
         else:
             pending.append(i)
-    if pending:
+    if pending and train:
         with ProcessPoolExecutor(max_workers=max(1, parallel), mp_context=get_context("spawn"),
                                  initializer=_init_worker) as pool:
             futures = {pool.submit(train_and_evaluate, tasks[i]): i for i in pending}
@@ -114,4 +118,4 @@ def run_tasks(tasks: list[RunTask], parallel: int, on_result=None) -> list[dict]
                                        f"({tasks[i].job.output_dir}): {exc}") from exc
                 if on_result:
                     on_result(results[i], cached=False)
-    return [results[i] for i in range(len(tasks))]
+    return [results[i] for i in range(len(tasks)) if i in results]
