@@ -19,8 +19,19 @@ from typing import Any, Iterable, Mapping, TypeVar
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A problem with what the user gave (configuration, input files, an output folder) that the
+    message explains in full. A stage ends on one with that message on one line and exit code 2;
+    any other exception (CUDA, NCCL, Ray, a bug) keeps its traceback. Subclasses also derive from
+    the builtin error they refine (ValueError, FileNotFoundError ...) so callers may catch either."""
+
+
+class ConfigError(UserError, ValueError):
     """One or more configuration problems; the message lists every one."""
+
+
+class MissingPathError(UserError, FileNotFoundError):
+    """A file or folder the configuration names does not exist."""
 
 
 def raise_if(problems: list[str]) -> None:

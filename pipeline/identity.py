@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+from pipeline.config import MissingPathError
 from storage_schemas import file_sha256, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -104,10 +105,10 @@ def model_identity(model: str, revision: str | None = None) -> dict:
         return {"source": "hub", "model": model, "revision": revision}
     config = path / "config.json"
     if not config.is_file():
-        raise FileNotFoundError(f"{path}: no config.json; not a Hugging Face model folder")
+        raise MissingPathError(f"{path}: no config.json; not a Hugging Face model folder")
     weights = [p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
     if not weights:
-        raise FileNotFoundError(f"{path}: no weight files (*.safetensors, *.bin)")
+        raise MissingPathError(f"{path}: no weight files (*.safetensors, *.bin)")
     code = [p for p in path.iterdir() if p.suffix == ".py" and p.is_file()]
     return {"source": "local", "model": None, "revision": None,
             "config_sha256": digest_files([config, *code]), "weights_sha256": digest_files(weights)}

@@ -23,8 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
+from pipeline.config import MissingPathError, UserError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(UserError, ValueError):
     """A tokenizer that cannot be used for offset-based alignment."""
 
 
@@ -113,7 +115,7 @@ def load_tokenizer(source: str, *, revision: str | None = None, trust_remote_cod
     path = Path(os.path.expanduser(source))
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"GGUF vocabulary not found: {path}")
+            raise MissingPathError(f"GGUF vocabulary not found: {path}")
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     elif path.suffix == ".model" and path.is_file():
         folder = _sentencepiece_folder(path)

@@ -28,10 +28,13 @@ CASE_MEASURES = {  # the figures a case produces, for its error lines when it fa
     "alignment": [("alignment_cost", "alignment cost (align / student tokenization)", 0.05, "<="),
                   ("alignment_vs_dtw", "alignment vs peers' DTW (speed-up)", 100.0, ">=")],
     "stage1": [("stage1_overhead", "stage-1 pipeline overhead (job tokens/s / bare forward tokens/s)", 0.95, ">=")],
-    "storage": [("storage_compact", "storage, compact (best compact setting, default zstd level)", 3.0, "<=")],
+    "storage": [("storage_compact", "storage, compact (best compact setting, default zstd level)", 3.0, "<="),
+                ("object_store_write", "object store vs local disk, write (time ratio)", None, None),
+                ("object_store_read", "object store vs local disk, read (time ratio)", None, None)],
     "guided_loss": [("guided_loss_overhead", "guided-loss overhead (guided step / cross-entropy step)", 1.02, "<=")],
     "student_data": [("student_data", "student data pipeline (read+tokenize+align+pack / tokenize)", 0.9, ">=")],
     "memory": [("memory", "memory growth (10x/1x peak RSS)", 1.2, "<=")],
+    "teachers": [("two_teachers", "two-teacher data pipeline (two teachers / one, CPU time)", 1.3, "<=")],
 }
 
 
@@ -68,9 +71,11 @@ def case_configs(cfg: DictConfig) -> dict:
     from pipeline.lab.bench.stage1 import Stage1BenchConfig
     from pipeline.lab.bench.storage import StorageBenchConfig
     from pipeline.lab.bench.student_pipeline import StudentDataBenchConfig
+    from pipeline.lab.bench.teachers import TeachersBenchConfig
 
     classes = {"alignment": AlignmentBenchConfig, "stage1": Stage1BenchConfig, "storage": StorageBenchConfig,
-               "guided_loss": GuidedLossBenchConfig, "student_data": StudentDataBenchConfig, "memory": MemoryBenchConfig}
+               "guided_loss": GuidedLossBenchConfig, "student_data": StudentDataBenchConfig, "memory": MemoryBenchConfig,
+               "teachers": TeachersBenchConfig}
     problems: list[str] = []
     unknown = [c for c in cfg.cases if c not in CASES]
     problems += [f"cases: {c!r} is not one of {', '.join(CASES)}" for c in unknown]
@@ -136,7 +141,7 @@ class Inputs:
 
 
 def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
-    from pipeline.lab.bench import alignment, guided, memory, stage1, storage, student_pipeline
+    from pipeline.lab.bench import alignment, guided, memory, stage1, storage, student_pipeline, teachers
 
     work = inputs.work
     if name == "alignment":
@@ -149,6 +154,8 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
         return guided.run(case_cfg)
     if name == "student_data":
         return student_pipeline.run(case_cfg, work, inputs.tokenizer(case_cfg.student), inputs.scored_dataset())
+    if name == "teachers":
+        return teachers.run(case_cfg, work, inputs.tokenizer(case_cfg.student), inputs.scored_dataset())
     if name == "memory":
         return memory.run(case_cfg, work, inputs.tokenizer(case_cfg.teacher_tokenizer),
                           inputs.tokenizer(case_cfg.student_tokenizer))

@@ -8,7 +8,9 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import ConfigError, build, raise_if  # noqa: F401  (stages import them from here)
+from pipeline.config import ConfigError, UserError, build, raise_if  # noqa: F401  (stages import them from here)
+from storage_schemas import ContractError
+from storage_schemas.reader import DocumentNotFoundError
 
 T = TypeVar("T")
 
@@ -16,7 +18,8 @@ T = TypeVar("T")
 def _dataset_dir(root: str, corpus: str, teacher: str) -> str:
     from storage_schemas import dataset_dir
 
-    return dataset_dir(root, corpus, teacher).as_posix()
+    folder = dataset_dir(root, corpus, teacher)
+    return folder if isinstance(folder, str) else folder.as_posix()  # an object-store URI stays a string
 
 
 # ``${dataset_dir:<root>,<corpus>,<teacher>}`` in the YAML files: the scored folder's name comes
@@ -42,12 +45,15 @@ def register_defaults(name: str, tree: dict) -> None:
     ConfigStore.instance().store(name=name, node=tree)
 
 
-USER_ERRORS = (ConfigError, FileNotFoundError, PermissionError, ValueError, RuntimeError)
+# The project's own errors about what the user gave. The contract package depends on nothing but
+# pyarrow, so its errors (a bad shard, a document id not in the dataset) are named here.
+USER_ERRORS = (UserError, ContractError, DocumentNotFoundError)
 
 
 def exit_on_user_error(fn):
-    """Known input/config problems end the stage with one clear line and exit code 2, no traceback
-    (set VOCAGNO_TRACEBACK=1 to see it)."""
+    """The project's user errors (:class:`pipeline.config.UserError`) end the stage with one clear
+    line and exit code 2, no traceback (set VOCAGNO_TRACEBACK=1 to see it). Everything else (CUDA,
+    NCCL and Ray errors, a bug) propagates with its traceback and another exit code."""
     import functools
     import os
     import sys

@@ -21,6 +21,7 @@ from pipeline.score_teacher.job import JobSummary, ScoreJobConfig, config_defaul
 from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
 from pipeline.score_teacher.teacher_source import check_teacher_source
 from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, register_defaults
+from storage_schemas.filesystem import join
 
 register_defaults("score_teacher_defaults", config_defaults())
 
@@ -59,6 +60,7 @@ def print_summary(s: JobSummary) -> None:
     rows = [
         ("dataset", f"{s.output_dir} ({status})"),
         ("shards", f"{s.shards_scored} scored now, {s.shards_done_before} already done, {s.shards_planned} planned"),
+        ("actors", ", ".join(f"{a['hostname']} ({a['node_ip']})" for a in s.actors) or "none this run"),
         ("documents", f"{s.documents:,} stored ({s.documents_this_run:,} this run)"),
         ("teacher tokens", f"{s.tokens:,} ({s.tokens_this_run:,} this run)"),
         ("throughput", f"{s.tokens_per_s:,.0f} tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
@@ -69,12 +71,15 @@ def print_summary(s: JobSummary) -> None:
     notes = {k: v for k, v in s.reasons.items() if k not in SKIP_REASONS + ZERO_TOKEN_REASONS}
     if notes:
         rows.append(("scored, noted", ", ".join(f"{k}: {v}" for k, v in notes.items())))
+    if s.failed:
+        rows.append(("failed, skipped", "; ".join(f"shard {f['index']} after {f['attempts']} tries: {f['error']}"
+                                                  for f in s.failed) + " (rerun the same command to score them)"))
     for k, v in rows:
         table.add_row(k, v)
     console = Console()
     console.print(table)
     console.print("Look at it with Polars (per-document token count and mean teacher loss):")
-    glob = str(Path(s.output_dir) / "shard-*.parquet")
+    glob = join(s.output_dir, "shard-*.parquet")  # a local path or an s3:// / gs:// URI
     one_liner = (
         "python -c \"import polars as pl; print(pl.scan_parquet('" + glob + "')"
         ".select('doc_id', pl.col('token_ids').list.len().alias('tokens'), "

@@ -18,6 +18,7 @@ from storage_schemas.identity import (  # noqa: F401
     shard_identity_differences,
 )
 from storage_schemas.layout import (  # noqa: F401
+    CARD_NAME,
     MANIFEST_NAME,
     SHARD_RE,
     complete_shard_files,
@@ -27,6 +28,7 @@ from storage_schemas.layout import (  # noqa: F401
     marker_of,
     read_manifest,
     shard_file_problems,
+    shard_index,
     shard_name,
     write_json_atomic,
 )

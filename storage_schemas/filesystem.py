@@ -10,9 +10,11 @@ a Ray actor on another node and opened there.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 import posixpath
 from functools import lru_cache
+from pathlib import Path
 
 import pyarrow.fs as pafs
 
@@ -51,6 +53,37 @@ def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     return _remote_fs(f"{kind}://{bucket}", os.environ.get("AWS_ENDPOINT_URL")), rest.rstrip("/")
 
 
+def location(value: str | os.PathLike) -> Path | str:
+    """A location in the form the readers keep: a local path as an absolute ``Path``, an object-store
+    URI as a string without a trailing slash (``Path`` would fold ``s3://`` into ``s3:/``)."""
+    text = os.fspath(value)
+    if is_remote(text):
+        return text.rstrip("/")
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    return Path(text).resolve()
+
+
+def child(folder: Path | str, *names: str) -> Path | str:
+    """``folder / name`` keeping the kind of :func:`location` (``Path`` or URI string)."""
+    if isinstance(folder, str) and is_remote(folder):
+        return posixpath.join(folder.rstrip("/"), *names)
+    return Path(folder).joinpath(*names)
+
+
+def name(location: str | os.PathLike) -> str:
+    """The last part of a location (``s3://b/x/shard-000001.parquet`` -> ``shard-000001.parquet``)."""
+    return posixpath.basename(os.fspath(location).rstrip("/"))
+
+
+def parent(location: str | os.PathLike) -> Path | str:
+    """The folder a location is in, of the same kind."""
+    text = os.fspath(location)
+    if is_remote(text):
+        return posixpath.dirname(text.rstrip("/"))
+    return Path(text).parent
+
+
 def join(location: str | os.PathLike, *parts: str) -> str:
     """``location`` with ``parts`` appended, keeping its scheme (``s3://b/x`` + ``y`` -> ``s3://b/x/y``)."""
     text = os.fspath(location)
@@ -67,6 +100,37 @@ def exists(location: str | os.PathLike) -> bool:
 def is_file(location: str | os.PathLike) -> bool:
     fs, path = resolve(location)
     return fs.get_file_info(path).type == pafs.FileType.File
+
+
+def is_dir(location: str | os.PathLike) -> bool:
+    """A local folder, or an object-store prefix that holds at least one object."""
+    fs, path = resolve(location)
+    return fs.get_file_info(path).type == pafs.FileType.Directory
+
+
+def size(location: str | os.PathLike) -> int | None:
+    """The size in bytes of a file or object, ``None`` when there is none."""
+    fs, path = resolve(location)
+    info = fs.get_file_info(path)
+    return info.size if info.type == pafs.FileType.File else None
+
+
+def file_sizes(folder: str | os.PathLike) -> dict[str, int]:
+    """``{name: bytes}`` of the files directly inside ``folder`` (one listing on an object store;
+    empty when it does not exist)."""
+    fs, path = resolve(folder)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return {posixpath.basename(i.path): i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def sha256(location: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """The sha256 of a file or object, streamed."""
+    h = hashlib.sha256()
+    fs, path = resolve(location)
+    with fs.open_input_stream(path) as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_bytes(location: str | os.PathLike) -> bytes:

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage_schemas import filesystem as sfs
 from storage_schemas.identity import (
     data_identity_differences,  # noqa: F401  (part of this module's interface)
     identity_format,
@@ -63,9 +64,10 @@ class MixedTeachersError(ContractError):
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One usable shard: where it is, which folder it belongs to, and its row-group layout."""
+    """One usable shard: where it is (a ``Path``, or a URI string on an object store), which folder
+    it belongs to, and its row-group layout."""
 
-    path: Path
+    path: Path | str
     folder: int  # index into ScoredDataset.folders
     rows: int
     sha256: str  # as recorded in the manifest
@@ -82,7 +84,7 @@ class ShardInfo:
 
 @dataclass(frozen=True)
 class ScoredFolder:
-    path: Path
+    path: Path | str  # a Path, or a URI string on an object store (storage_schemas.filesystem.location)
     manifest_sha256: str
     identity: dict
     complete: bool
@@ -128,8 +130,8 @@ class ScoredDataset:
     def open(cls, folder: str | os.PathLike) -> "ScoredDataset":
         """One folder with the shards its manifest lists, complete or not, without per-shard checks
         (reading a damaged shard fails then, naming the file)."""
-        opened, entries = _open_folder(Path(folder), allow_partial=True, quiet=True)
-        shards = [ShardInfo(path=opened.path / e["file"], folder=0, rows=int(e.get("rows", 0)),
+        opened, entries = _open_folder(sfs.location(folder), allow_partial=True, quiet=True)
+        shards = [ShardInfo(path=sfs.child(opened.path, e["file"]), folder=0, rows=int(e.get("rows", 0)),
                             sha256=e.get("sha256", ""), row_group_rows=()) for e in entries]
         return cls(folders=[opened], shards=shards)
 
@@ -153,7 +155,7 @@ class ScoredDataset:
                 for f in self.folders
             ],
             "teacher": self.teacher,
-            "shards_used": [{"file": str(s.path.relative_to(self.folders[s.folder].path)), "folder": s.folder,
+            "shards_used": [{"file": sfs.name(s.path), "folder": s.folder,
                              "sha256": s.sha256, "rows": s.rows} for s in self.shards],
             "shards_skipped": self.skipped,
             "n_documents": self.n_documents,
@@ -162,7 +164,7 @@ class ScoredDataset:
     # The first folder as its manifest describes it (inspection opens one folder).
 
     @property
-    def folder(self) -> Path:
+    def folder(self) -> Path | str:
         return self.folders[0].path
 
     @property
@@ -174,7 +176,7 @@ class ScoredDataset:
         return list(self.manifest.get("shards", []))
 
     @property
-    def shard_paths(self) -> list[Path]:
+    def shard_paths(self) -> list[Path | str]:
         return [s.path for s in self.shards]
 
     @property
@@ -225,7 +227,7 @@ class ScoredDataset:
             found = frame.head(1).collect()
             if found.height:
                 table = found.to_arrow()
-                return next(_records(table, path.name, int(found["row"][0])))
+                return next(_records(table, sfs.name(path), int(found["row"][0])))
         wanted = f"document {doc_id!r}" if doc_id is not None else f"a document with >= {min_tokens} tokens"
         raise DocumentNotFoundError(f"{self.folder}: no {wanted} in the shards listed by the manifest")
 
@@ -236,7 +238,7 @@ class ScoredDataset:
             row = 0
             with pq.ParquetFile(path) as reader:
                 for batch in reader.iter_batches(batch_size=batch_rows):
-                    for record in _records(batch, path.name, row):
+                    for record in _records(batch, sfs.name(path), row):
                         if limit is not None and seen >= limit:
                             return
                         seen += 1
@@ -281,7 +283,7 @@ def open_scored_dataset(
         raise ValueError(f"verify must be one of {VERIFY}, got {verify!r}")
     if not folders:
         raise ContractError("no scored dataset folder given")
-    paths = [Path(f).resolve() for f in folders]
+    paths = [sfs.location(f) for f in folders]
     if len(set(paths)) != len(paths):
         raise ContractError(f"a scored folder is listed twice: {[str(p) for p in paths]}")
 
@@ -296,24 +298,24 @@ def open_scored_dataset(
                 reason = "; ".join(message for _, message in check.problems)
                 bad.append({"folder": index, "file": entry.get("file", "?"), "reason": reason})
             else:
-                shards.append(ShardInfo(path=folder.path / entry["file"], folder=index, rows=check.rows,
+                shards.append(ShardInfo(path=sfs.child(folder.path, entry["file"]), folder=index, rows=check.rows,
                                         sha256=entry.get("sha256", ""), row_group_rows=check.row_group_rows))
     if bad and on_bad_shard == "error":
         raise BadShardError(_bad_message(bad, paths))
     for b in bad:
-        log.warning("skipping shard %s: %s", paths[b["folder"]] / b["file"], b["reason"])
+        log.warning("skipping shard %s: %s", sfs.child(paths[b["folder"]], b["file"]), b["reason"])
     if not shards:
         raise ContractError(f"no usable shard in {[str(p) for p in paths]}" + (f"\n{_bad_message(bad, paths)}" if bad else ""))
     return ScoredDataset(folders=[f for f, _ in opened], shards=shards, skipped=bad)
 
 
-def _bad_message(bad: list[dict], paths: list[Path]) -> str:
-    lines = "\n  ".join(f"{paths[b['folder']] / b['file']}: {b['reason']}" for b in bad)
+def _bad_message(bad: list[dict], paths: list[Path | str]) -> str:
+    lines = "\n  ".join(f"{sfs.child(paths[b['folder']], b['file'])}: {b['reason']}" for b in bad)
     return (f"{len(bad)} unreadable shard(s):\n  {lines}\n"
             "Rescore them (make score-teacher finds and redoes them), or set data.on_bad_shard=skip.")
 
 
-def _open_folder(path: Path, allow_partial: bool, quiet: bool = False) -> tuple[ScoredFolder, list[dict]]:
+def _open_folder(path: Path | str, allow_partial: bool, quiet: bool = False) -> tuple[ScoredFolder, list[dict]]:
     manifest = read_manifest(path)
     planned = int(manifest.get("n_shards_planned", len(manifest["shards"])))
     complete = bool(manifest.get("complete", False))
@@ -327,7 +329,7 @@ def _open_folder(path: Path, allow_partial: bool, quiet: bool = False) -> tuple[
                     path, len(manifest["shards"]), planned)
     folder = ScoredFolder(
         path=path,
-        manifest_sha256=file_sha256(path / MANIFEST_NAME),
+        manifest_sha256=file_sha256(sfs.child(path, MANIFEST_NAME)),
         identity=manifest.get("identity", {}),
         complete=complete,
         n_shards_planned=planned,
@@ -366,16 +368,16 @@ class ShardCheck:
     row_group_rows: tuple[int, ...] = ()
 
 
-def shard_problems(folder: Path, entry: dict | None, manifest: Mapping, *, checksum: bool,
+def shard_problems(folder: Path | str, entry: dict | None, manifest: Mapping, *, checksum: bool,
                    marker: bool = False, file: str | None = None) -> ShardCheck:
     """Every way one shard breaks the contract at file level: against its manifest ``entry`` (file,
     size, checksum, marker: :func:`storage_schemas.layout.shard_file_problems`), then its footer,
     schema and metadata, its identity against the ``manifest``'s, its shard index and row count.
     Without an entry (a shard the manifest does not list) only the footer is checked."""
     name = entry["file"] if entry is not None else file
-    path = folder / name
+    path = sfs.child(folder, name)
     problems = shard_file_problems(path, entry, checksum=checksum, marker=marker) if entry is not None else []
-    if not path.is_file():
+    if not sfs.is_file(path):
         return ShardCheck(problems or [(name, "missing")])
     try:
         meta = read_shard_metadata(path)

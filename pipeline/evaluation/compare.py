@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config import ConfigError, MissingPathError
 from storage_schemas import write_json_atomic
 from storage_schemas import iter_identity_differences
 
@@ -36,27 +37,27 @@ class Comparison:
 def load_result(folder: str | Path) -> dict:
     path = Path(folder) / "eval.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; run make eval-student first (or give the folder it wrote)")
+        raise MissingPathError(f"{path}: not found; run make eval-student first (or give the folder it wrote)")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
+        raise ConfigError(f"{path}: not valid JSON ({exc.msg})") from None
     if not isinstance(record, dict) or not isinstance(record.get("tasks"), dict):
-        raise ValueError(f"{path}: not an evaluation result (no 'tasks')")
+        raise ConfigError(f"{path}: not an evaluation result (no 'tasks')")
     return record
 
 
 def compare(results: list[dict], labels: list[str], runs: list[str], allow_mismatch: bool = False) -> Comparison:
     if len(labels) != len(results):
-        raise ValueError(f"{len(labels)} labels for {len(results)} runs")
+        raise ConfigError(f"{len(labels)} labels for {len(results)} runs")
     if len(set(labels)) != len(labels):
-        raise ValueError(f"labels must differ: {labels}")
+        raise ConfigError(f"labels must differ: {labels}")
     tasks = list(dict.fromkeys(t for r in results for t in r["tasks"]))
     cells = {t: {lab: _cell(r["tasks"].get(t)) for lab, r in zip(labels, results)} for t in tasks}
     mismatches = {t: d for t in tasks if (d := _differences(t, results, labels))}
     if mismatches and not allow_mismatch:
         listed = "; ".join(f"{t}: " + ", ".join(d) for t, d in mismatches.items())
-        raise ValueError(f"runs were evaluated on different problems or settings ({listed}); "
+        raise ConfigError(f"runs were evaluated on different problems or settings ({listed}); "
                          "re-evaluate with the same data and settings, or allow_mismatch=true to show them flagged")
     return Comparison(labels=labels, runs=runs, tasks=tasks, cells=cells, mismatches=mismatches,
                       notes=_setting_notes(results, labels))

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from pipeline.config import ConfigError
 from pipeline.evaluation.tasks import cut_at_stop
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def make_generator(cfg: GenerationConfig) -> Generator:
         return HFGenerator(cfg)
     if cfg.backend == "vllm":
         return VLLMGenerator(cfg)
-    raise ValueError(f"backend: {cfg.backend!r} is not one of transformers, vllm")
+    raise ConfigError(f"backend: {cfg.backend!r} is not one of transformers, vllm")
 
 
 def _torch_dtype(name: str, device):
@@ -58,7 +59,7 @@ def _torch_dtype(name: str, device):
         return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:
-        raise ValueError(f"dtype: {name!r} is not one of auto, {', '.join(dtypes)}")
+        raise ConfigError(f"dtype: {name!r} is not one of auto, {', '.join(dtypes)}")
     return dtypes[name]
 
 
@@ -81,7 +82,7 @@ class HFGenerator:
             self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype, **kwargs)
         except OSError as exc:  # not found locally and the hub unreachable, or not a checkpoint
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RuntimeError(f"cannot load checkpoint {cfg.model}: {first}") from exc
+            raise ConfigError(f"cannot load checkpoint {cfg.model}: {first}") from exc
         self.model = self.model.to(self.device).eval()
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
@@ -147,7 +148,7 @@ class VLLMGenerator:
         try:
             from vllm import LLM
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise RuntimeError("backend=vllm needs vLLM: pip install 'vocagno[vllm]' in its own environment "
+            raise ConfigError("backend=vllm needs vLLM: pip install 'vocagno[vllm]' in its own environment "
                                "(it pins its own torch and transformers)") from exc
         self.cfg = cfg
         self.llm = LLM(model=cfg.model, revision=cfg.revision, dtype=cfg.dtype, seed=cfg.seed,

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config import ConfigError, MissingPathError
 from pipeline.evaluation.generation import GenerationConfig, Generator, make_generator
 from pipeline.identity import WEIGHT_SUFFIXES, digest_files
 from pipeline.evaluation.tasks import (
@@ -100,15 +101,15 @@ def choose_exemplars(source: str, spec: TaskSpec, task: TaskInput, k: int) -> tu
     if task.fewshot_file and source in ("auto", "file"):
         shots, origin = load_exemplars(task.fewshot_file, spec), f"file:{task.fewshot_file}"
     elif source == "file":
-        raise FileNotFoundError(f"{task.name}: fewshot_source=file but no few-shot file "
+        raise MissingPathError(f"{task.name}: fewshot_source=file but no few-shot file "
                                 f"(fewshot_dir=<dir with {task.name}.jsonl> or fewshot_files.{task.name}=<file>)")
     elif spec.lm_eval_exemplars is None:
-        raise ValueError(f"{task.name}: {k}-shot needs a few-shot file (fewshot_dir= or fewshot_files.{task.name}=): "
+        raise ConfigError(f"{task.name}: {k}-shot needs a few-shot file (fewshot_dir= or fewshot_files.{task.name}=): "
                          "lm-evaluation-harness has no chain-of-thought exemplars for it; or num_fewshot=0")
     else:
         shots, origin = lm_eval_exemplars(spec.lm_eval_exemplars), f"lm_eval:{spec.lm_eval_exemplars}"
     if len(shots) < k:
-        raise ValueError(f"{task.name}: num_fewshot={k} but {origin} has {len(shots)} exemplars")
+        raise ConfigError(f"{task.name}: num_fewshot={k} but {origin} has {len(shots)} exemplars")
     return shots[:k], origin
 
 
@@ -208,10 +209,10 @@ def checkpoint_identity(model: str, revision: str | None = None) -> dict:
         return {"kind": "hub", "id": model, "revision": revision}
     config = folder / "config.json"
     if not config.is_file():
-        raise FileNotFoundError(f"{folder}: no config.json; not a Hugging Face checkpoint folder")
+        raise MissingPathError(f"{folder}: no config.json; not a Hugging Face checkpoint folder")
     weights = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
     if not weights:
-        raise FileNotFoundError(f"{folder}: no weight files (*.safetensors, *.bin)")
+        raise MissingPathError(f"{folder}: no weight files (*.safetensors, *.bin)")
     tokenizer = sorted(p for p in folder.iterdir() if p.name.startswith(("tokenizer", "special_tokens")) and p.is_file())
     return {"kind": "local", "path": str(folder.resolve()), "config_sha256": file_sha256(config),
             "weights_sha256": digest_files(weights), "tokenizer_sha256": digest_files(tokenizer) if tokenizer else None}

@@ -20,12 +20,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config import ConfigError, MissingPathError, UserError
 from pipeline.evaluation import answers as A
 
 LETTERS = "ABCDE"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A task file that cannot be read; the message names the file and line."""
 
 
@@ -122,7 +123,7 @@ def _gold(spec: TaskSpec, answer, choices: tuple[str, ...] | None) -> str | None
 def _objects(path: Path):
     """``(line number, dict)`` for every non-blank line; a bad line is a :class:`DataError`."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: task file not found")
+        raise MissingPathError(f"{path}: task file not found")
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -212,7 +213,7 @@ def lm_eval_exemplars(which: str) -> list[Exemplar]:
         return _gsm8k_cot()
     if which == "minerva_math":
         return _minerva_math()
-    raise ValueError(f"no lm-evaluation-harness exemplars named {which!r}")
+    raise ConfigError(f"no lm-evaluation-harness exemplars named {which!r}")
 
 
 def lm_eval_task_file(*parts: str) -> Path:
@@ -221,11 +222,11 @@ def lm_eval_task_file(*parts: str) -> Path:
 
     spec = find_spec("lm_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the standard few-shot exemplars come from lm-evaluation-harness, which is not installed: "
+        raise ConfigError("the standard few-shot exemplars come from lm-evaluation-harness, which is not installed: "
                            "pip install 'vocagno[eval]', or give a few-shot file (fewshot_dir= / fewshot_files.<task>=)")
     path = Path(next(iter(spec.submodule_search_locations)), "tasks", *parts)
     if not path.is_file():
-        raise RuntimeError(f"this lm-evaluation-harness has no {'/'.join(parts)}: give a few-shot file instead")
+        raise ConfigError(f"this lm-evaluation-harness has no {'/'.join(parts)}: give a few-shot file instead")
     return path
 
 
@@ -247,7 +248,7 @@ def _minerva_math() -> list[Exemplar]:
         if isinstance(node, ast.FunctionDef) and node.name == "list_fewshot_samples":
             returned = next(n.value for n in ast.walk(node) if isinstance(n, ast.Return))
             return [Exemplar(question=s["problem"], target=s["solution"]) for s in ast.literal_eval(returned)]
-    raise RuntimeError("lm_eval/tasks/minerva_math/utils.py has no list_fewshot_samples(): "
+    raise ConfigError("lm_eval/tasks/minerva_math/utils.py has no list_fewshot_samples(): "
                        "give a few-shot file for math (fewshot_files.math=)")
 
 

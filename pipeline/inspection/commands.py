@@ -20,9 +20,16 @@ Commands (``command=``):
   coloured by teacher loss with the student token boundaries.
 * ``plots``, ``path=<dataset> [student=S]``: PNG loss histogram; with a student also the mapped
   share, teacher tokens per student token and chunk-level IoU/IoS against the chunk count.
+* ``card``, ``path=<dataset>``: (re)writes the dataset card ``README.md`` in the dataset folder
+  itself (:mod:`pipeline.score_teacher.card`; stage 1 writes it at the end of every run).
+* ``two-teachers``, ``path=<dataset> other=<dataset> student=S``: the same corpus scored by two
+  teachers, aligned to one student: correlation of the aligned losses and the share of tokens where
+  the teachers' top-``two_teachers.ratio`` selections disagree (:mod:`pipeline.inspection.two_teachers`).
 
-Outputs go to ``out_dir`` (default ``<dataset>/inspect``; ``outputs/inspect/vocab-overlap`` for an
-overlap without a dataset); every file written is printed.
+Outputs go to ``out_dir`` (default ``<dataset>/inspect``; for a dataset on an object store the
+local ``outputs/inspect/<scheme>/<bucket>/<key>``; ``outputs/inspect/vocab-overlap`` for an overlap
+without a dataset); every file written is printed. ``path`` may be a local folder or an ``s3://`` /
+``gs://`` URI (:mod:`storage_schemas.filesystem`).
 """
 
 from __future__ import annotations
@@ -37,17 +44,23 @@ from rich.console import Console
 from rich.markup import escape
 
 from pipeline.train_student.align import AGGREGATIONS
+from storage_schemas import filesystem as sfs
 
 Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute (the stage passes Hydra's)
 
 INSPECT_DIR = "inspect"  # default output folder inside the dataset folder
+REMOTE_OUT_ROOT = "outputs/inspect"  # default output root for a dataset on an object store
 OVERLAP_OUT_DIR = "outputs/inspect/vocab-overlap"  # vocab-overlap without a dataset
-NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots")
-NEEDS_STUDENT = ("vocab-overlap", "align-report")
+NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots", "card", "two-teachers")
+NEEDS_STUDENT = ("vocab-overlap", "align-report", "two-teachers")
 
 
 def default_out_dir(folder) -> Path:
-    """Where inspection outputs go unless told otherwise: ``<dataset>/inspect``."""
+    """Where inspection outputs go unless told otherwise: ``<dataset>/inspect``, or for a dataset on
+    an object store ``outputs/inspect/<scheme>/<bucket>/<key>`` (relative: the caller resolves it)."""
+    if sfs.is_remote(folder):
+        scheme, rest = str(folder).split("://", 1)
+        return Path(REMOTE_OUT_ROOT) / scheme / rest.strip("/")
     return Path(folder) / INSPECT_DIR
 
 
@@ -62,6 +75,10 @@ def config_problems(cfg) -> list[str]:
         problems.append(f"student: command={cfg.command} needs student=<tokenizer>")
     if cfg.command == "vocab-overlap" and not (cfg.teacher or cfg.path):
         problems.append("teacher: command=vocab-overlap needs teacher=<tokenizer> (or path=<dataset> to use its teacher's)")
+    if cfg.command == "two-teachers" and not cfg.other:
+        problems.append("other: command=two-teachers needs other=<the second teacher's scored dataset folder>")
+    if cfg.command == "two-teachers" and not 0.0 < cfg.two_teachers.ratio <= 1.0:
+        problems.append(f"two_teachers.ratio: {cfg.two_teachers.ratio} is not in (0, 1]")
     align = {k: cfg.align[k] for k in ("how", "chunk_counts", "limit_docs")}
     if align["how"] not in AGGREGATIONS:
         problems.append(f"align.how: {align['how']!r} is not one of {', '.join(AGGREGATIONS)}")
@@ -120,6 +137,11 @@ def write_json(path: Path, obj, console: Console) -> Path | None:
     return path
 
 
+def _dataset_location(path: str, resolve: Resolve):
+    """A dataset folder as the reader takes it: an object-store URI as is, a local path absolute."""
+    return sfs.location(path) if sfs.is_remote(path) else Path(resolve(path)).resolve()
+
+
 class Context:
     """What every command needs: the config, the console, the dataset and the output folder."""
 
@@ -127,11 +149,11 @@ class Context:
         self.cfg = cfg
         self.console = console
         self.resolve = resolve
-        self.path = Path(resolve(cfg.path)).resolve() if cfg.path else None
+        self.path = _dataset_location(cfg.path, resolve) if cfg.path else None
         if cfg.out_dir:
             self.out_dir = Path(resolve(cfg.out_dir))
         elif self.path is not None:
-            self.out_dir = default_out_dir(self.path)
+            self.out_dir = Path(resolve(str(default_out_dir(self.path))))
         else:
             self.out_dir = Path(resolve(OVERLAP_OUT_DIR))
         self._dataset = None
@@ -319,6 +341,29 @@ def cmd_plots(ctx: Context) -> int:
     return 0
 
 
+def cmd_card(ctx: Context) -> int:
+    from pipeline.score_teacher.card import write_card
+    from storage_schemas import filesystem
+
+    folder = ctx.cfg.path if filesystem.is_remote(ctx.cfg.path) else ctx.path
+    ctx.console.print(f"wrote {write_card(folder)}", markup=False)
+    return 0
+
+
+def cmd_two_teachers(ctx: Context) -> int:
+    from pipeline.inspection.two_teachers import renderables, two_teachers
+    from storage_schemas.reader import ScoredDataset
+
+    other = ScoredDataset.open(_dataset_location(ctx.cfg.other, ctx.resolve))
+    report = two_teachers(ctx.dataset, other, ctx.student_tokenizer(), student=ctx.cfg.student, how=ctx.cfg.align.how,
+                          ratio=float(ctx.cfg.two_teachers.ratio), limit_docs=ctx.cfg.align.limit_docs)
+    for item in renderables(report):
+        ctx.console.print(item)
+    name = f"{tokenizer_slug(other.name)}--{tokenizer_slug(ctx.cfg.student)}.json"
+    write_json(ctx.out_dir / "two-teachers" / name, report.to_dict(), ctx.console)
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Context], int]] = {
     "summary": cmd_summary,
     "validate": cmd_validate,
@@ -326,6 +371,8 @@ COMMANDS: dict[str, Callable[[Context], int]] = {
     "align-report": cmd_align_report,
     "html": cmd_html,
     "plots": cmd_plots,
+    "card": cmd_card,
+    "two-teachers": cmd_two_teachers,
 }
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import polars as pl
 
 from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
+from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset
 
 ENGINE = "streaming"  # polars' streaming engine: bounded memory for scans, explodes and group-bys
@@ -241,7 +242,7 @@ def summarize(
     bin_width: float = DEFAULT_BIN_WIDTH,
 ) -> DatasetSummary:
     """The dataset's summary; extremes only among documents with ``>= min_tokens`` tokens."""
-    frames = [pl.scan_parquet(str(p)).with_columns(file=pl.lit(p.name)) for p in dataset.shard_paths]
+    frames = [pl.scan_parquet(str(p)).with_columns(file=pl.lit(sfs.name(p))) for p in dataset.shard_paths]
     shards, running = [], None
     for frame in frames or [dataset.scan(with_file=True)]:
         stats = per_document_stats(frame)
@@ -284,12 +285,19 @@ def summarize(
     )
 
 
+def _size(location) -> int:
+    size = sfs.size(location)
+    if size is None:
+        raise FileNotFoundError(f"{location}: listed in the manifest but missing")
+    return size
+
+
 def _shard_table(dataset: ScoredDataset, stats: pl.DataFrame) -> pl.DataFrame:
     """The per-shard statistics in manifest order, with bytes on disk and skipped counts."""
     listed = pl.DataFrame(
         {
             "file": [e["file"] for e in dataset.entries],
-            "bytes": [(dataset.folder / e["file"]).stat().st_size for e in dataset.entries],
+            "bytes": [_size(sfs.child(dataset.folder, e["file"])) for e in dataset.entries],
             "skipped": [sum(v for k, v in e.get("reasons", {}).items() if k in SKIP_REASONS) for e in dataset.entries],
         },
         schema={"file": pl.String, "bytes": pl.Int64, "skipped": pl.Int64},

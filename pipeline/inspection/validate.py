@@ -9,8 +9,9 @@ The folder and the manifest
     ``manifest.json`` readable, of this schema version, with an identity; entries named after their
     index, no index twice; totals (shards, documents, tokens, bytes, reasons) equal to the sums of
     the entries; ``complete`` consistent with ``n_shards_planned``; every listed shard present with
-    its marker ``shard-NNNNNN.done.json`` equal to its entry; no finished or unfinished shard file
-    in the folder that the manifest does not list.
+    its marker (``shard-NNNNNN.done.json``, or ``shard-NNNNNN.<attempt>.done.json`` on an object
+    store) equal to its entry; no finished or unfinished shard file in the folder that the manifest
+    does not list. The folder may be local or on an object store.
 Each listed shard
     size and sha256 as in the manifest; a readable Parquet file with the contract's metadata and
     schema; its identity equal to the manifest's (or, for a shard written before the folder's
@@ -47,9 +48,10 @@ from storage_schemas import (
     RowRules,
     marker_of,
     read_manifest,
-    shard_name,
+    shard_index,
     table_problems,
 )
+from storage_schemas import filesystem as sfs
 from storage_schemas.reader import shard_problems
 from storage_schemas.rows import ERROR, WARNING, list_column_values
 
@@ -101,7 +103,7 @@ def validate_dataset(
     folder: str | os.PathLike, checksums: bool = True, special_ids: Iterable[int] = ()
 ) -> ValidationReport:
     """Every problem of the dataset in ``folder``; ``checksums=False`` skips the sha256 pass."""
-    folder = Path(folder)
+    folder = sfs.location(folder)
     problems: list[Problem] = []
     manifest = _check_manifest(folder, problems)
     entries = _listed_entries(folder, manifest, problems)
@@ -121,7 +123,7 @@ def validate_dataset(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_manifest(folder: Path, problems: list[Problem]) -> dict | None:
+def _check_manifest(folder: Path | str, problems: list[Problem]) -> dict | None:
     try:
         manifest = read_manifest(folder)
     except ContractError as exc:
@@ -133,7 +135,8 @@ def _check_manifest(folder: Path, problems: list[Problem]) -> dict | None:
     seen: set[int] = set()
     for entry in entries:
         index = entry.get("index")
-        if entry.get("file") != (shard_name(index) if isinstance(index, int) else None):
+        file = entry.get("file")
+        if not isinstance(index, int) or not isinstance(file, str) or shard_index(file) != index:
             problems.append(Problem(ERROR, MANIFEST_NAME, f"entry {entry.get('file')!r} has index {index!r}"))
         if index in seen:
             problems.append(Problem(ERROR, MANIFEST_NAME, f"shard index {index} listed twice"))
@@ -168,29 +171,28 @@ def _check_totals(manifest: dict, entries: list[dict], problems: list[Problem]) 
             problems.append(Problem(ERROR, MANIFEST_NAME, f"totals.{key} is {got!r}, the shard entries sum to {want!r}"))
 
 
-def _listed_entries(folder: Path, manifest: dict | None, problems: list[Problem]) -> dict[str, dict | None]:
+def _listed_entries(folder: Path | str, manifest: dict | None, problems: list[Problem]) -> dict[str, dict | None]:
     """Shard file name -> manifest entry; without a manifest, the shard files found (no entry)."""
     if manifest is not None:
         return {e["file"]: e for e in manifest.get("shards", []) if "file" in e}
-    found = sorted(p.name for p in folder.glob("shard-*.parquet") if SHARD_RE.match(p.name))
+    found = sorted(name for name in sfs.file_sizes(folder) if SHARD_RE.match(name))
     if found:
         problems.append(Problem(WARNING, MANIFEST_NAME, f"checking the {len(found)} shard files found without a manifest"))
     return {name: None for name in found}
 
 
-def _check_folder_files(folder: Path, entries: dict[str, dict | None], problems: list[Problem]) -> None:
-    for path in sorted(folder.iterdir()):
-        name = path.name
+def _check_folder_files(folder: Path | str, entries: dict[str, dict | None], problems: list[Problem]) -> None:
+    names = sfs.file_sizes(folder)
+    for name in sorted(names):
         if SHARD_RE.match(name) and name not in entries:
-            marker = folder / marker_of(name)
-            state = "finished (it has a marker): rerun score-teacher to rewrite the manifest" if marker.exists() \
+            state = "finished (it has a marker): rerun score-teacher to rewrite the manifest" if marker_of(name) in names \
                 else "unfinished (no marker): a rerun of score-teacher redoes it"
             problems.append(Problem(ERROR, name, f"shard missing from the manifest; {state}"))
         elif name.startswith(".") and ".tmp-" in name:
             problems.append(Problem(WARNING, name, "temporary file left by an interrupted write "
                                                    "(removed by the next score-teacher run)"))
         elif name.endswith(".done.json") and name.replace(".done.json", ".parquet") not in entries:
-            if not (folder / name.replace(".done.json", ".parquet")).exists():
+            if name.replace(".done.json", ".parquet") not in names:
                 problems.append(Problem(ERROR, name, "marker of a shard file that does not exist"))
 
 
@@ -200,7 +202,7 @@ def _check_folder_files(folder: Path, entries: dict[str, dict | None], problems:
 
 
 def _check_shard(
-    folder: Path, name: str, entry: dict | None, manifest: dict, rules: RowRules, checksums: bool,
+    folder: Path | str, name: str, entry: dict | None, manifest: dict, rules: RowRules, checksums: bool,
     problems: list[Problem], hashes: dict[str, tuple[np.ndarray, np.ndarray]],
 ) -> int:
     """Check one shard (file, metadata, rows); returns the number of rows read."""
@@ -211,7 +213,7 @@ def _check_shard(
     rows = tokens = 0
     ids_hashed, ids_rows = [], []
     try:
-        shard = pq.ParquetFile(folder / name)
+        shard = pq.ParquetFile(str(sfs.child(folder, name)))
         for table in shard.iter_batches(batch_size=BATCH_ROWS):
             problems.extend(Problem(p.severity, name, p.message, row=p.row, doc_id=p.doc_id)
                             for p in table_problems(table, rules, first_row=rows))
@@ -230,7 +232,7 @@ def _check_shard(
     return rows
 
 
-def _check_unique_ids(folder: Path, hashes: dict[str, tuple[np.ndarray, np.ndarray]], problems: list[Problem]) -> None:
+def _check_unique_ids(folder: Path | str, hashes: dict[str, tuple[np.ndarray, np.ndarray]], problems: list[Problem]) -> None:
     """Duplicate ``doc_id``s: equal 64-bit hashes first, then the ids themselves (no false alarm
     on a hash collision)."""
     if not hashes:
@@ -244,7 +246,7 @@ def _check_unique_ids(folder: Path, hashes: dict[str, tuple[np.ndarray, np.ndarr
     for file, (hashed, rows) in hashes.items():
         picked = rows[np.isin(hashed, repeated)]
         if picked.size:
-            doc_ids = pq.read_table(folder / file, columns=["doc_id"]).column("doc_id").take(picked).to_pylist()
+            doc_ids = pq.read_table(str(sfs.child(folder, file)), columns=["doc_id"]).column("doc_id").take(picked).to_pylist()
             candidates += [(file, int(r), d) for r, d in zip(picked.tolist(), doc_ids)]
     seen: dict[str, int] = {}
     for _, _, doc_id in candidates:

@@ -2,39 +2,54 @@
 
 Two ways in, both ending in a list of row ranges over concrete files:
 
-* ``source="files"``: local Parquet or JSONL files by path or glob (sorted by path), e.g. a local
-  copy of OpenWebMath's ``data/train-000NN-of-000MM-*.parquet``. Document id: ``<file name>:<row>``.
-* ``source="hub"``: ``datasets.load_dataset(hub_id, split=...)`` (downloads once into the HF cache,
-  which on a cluster must be on storage every node sees); its Arrow cache files are then read
-  directly. Document id: ``<split>:<row of the split>``.
+* ``source="files"``: Parquet or JSONL files by path, ``s3://`` / ``gs://`` URI or glob of either
+  (sorted by location), e.g. a copy of OpenWebMath's ``data/train-000NN-of-000MM-*.parquet``.
+* ``source="hub"``: the Parquet files of a hub dataset repository, read where they are. The
+  revision is pinned to its commit, the split's files are chosen by name (``data.files`` patterns
+  instead, if given), and only the file listing and the Parquet footers are read on the driver.
+  Each actor range-reads its own row groups' text column over ``hf://datasets/<id>@<commit>/<path>``
+  (``huggingface_hub.HfFileSystem``), so a node fetches only the bytes of the shards it scores.
+  ``hub_root`` names a local or object-store copy of the repository to read instead of the hub.
+
+Document id: ``<file name>:<row>`` for both, so the same file gives the same ids whatever its source.
 
 Shards are fixed row ranges of ``rows_per_shard`` rows inside one file, numbered in file order, so
 the plan (and every document id) is a pure function of the input and ``rows_per_shard``. Changing
-``rows_per_shard`` between relaunches changes the plan; the job refuses to resume then.
+``rows_per_shard`` between relaunches changes the plan; the job refuses to resume then. With
+``limit_docs`` only the files the first ``limit_docs`` rows come from are described and hashed.
 
 Text is decoded per document, so one undecodable row is recorded and skipped, never fatal.
 """
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import hashlib
 import json
+import logging
 import os
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Iterator
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.config import check_at_least, check_choice
+from pipeline.config import UserError, check_at_least, check_choice
+from storage_schemas import filesystem, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 SOURCES = ("files", "hub")
+HF_SCHEME = "hf://"
+KINDS = {".parquet": "parquet", ".jsonl": "jsonl"}
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A corpus that cannot be read; the message names the file and the problem."""
 
 
@@ -44,9 +59,12 @@ class CorpusConfig:
 
     name: str = "corpus"
     source: str = "files"  # files | hub
-    files: list[str] = field(default_factory=list)  # paths or globs (source=files)
+    # source=files: paths, s3:// or gs:// URIs, or globs of them. source=hub: patterns over the
+    # paths inside the repository (e.g. data/train-0000[0-4]-*.parquet), replacing the split's files.
+    files: list[str] = field(default_factory=list)
     hub_id: str | None = None  # source=hub
-    hub_config: str | None = None
+    hub_config: str | None = None  # source=hub: only files under this folder of the repository
+    hub_root: str | None = None  # source=hub: a local or s3:// / gs:// copy of the repository, read instead
     split: str = "train"
     revision: str | None = None
     text_column: str = "text"
@@ -57,17 +75,26 @@ class CorpusConfig:
         found: list[str] = []
         check_choice(found, "source", self.source, SOURCES)
         check_at_least(found, "rows_per_shard", self.rows_per_shard, 1)
+        if self.source == "hub" and not self.hub_id:
+            found.append("hub_id: source=hub needs the dataset's hub id (also with hub_root, which only says where a copy is)")
+        if self.source == "hub" and any(filesystem.is_remote(f) or os.path.isabs(f) for f in self.files):
+            found.append("files: with source=hub these are patterns inside the repository (data/train-*.parquet), "
+                         "not paths or URIs; use source=files for files elsewhere")
+        if self.source != "hub" and self.hub_root:
+            found.append("hub_root: only used with source=hub")
         return found
 
 
 @dataclass(frozen=True)
 class SourceFile:
-    path: str
-    kind: str  # parquet | jsonl | arrow
+    path: str  # a local path, an s3:// / gs:// URI or an hf:// location
+    kind: str  # parquet | jsonl
     rows: int
     label: str  # document ids are f"{label}:{row_offset + row}"
     row_offset: int = 0
     bytes: int = 0
+    sha256: str | None = None  # the content digest where the source records it (the hub's LFS oid)
+    row_groups: tuple[int, ...] = ()  # rows per Parquet row group, from the footer
 
 
 @dataclass(frozen=True)
@@ -95,75 +122,243 @@ class Document:
 
 
 # ---------------------------------------------------------------------------------------------
+# Locations
+
+
+def _is_remote(location: str) -> bool:
+    return location.startswith(HF_SCHEME) or filesystem.is_remote(location)
+
+
+def file_name(location: str) -> str:
+    """The last part of a path or URI: what document ids and the identity name a file by."""
+    return posixpath.basename(location.rstrip("/")) if "://" in location else os.path.basename(location)
+
+
+def open_location(location: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow file system and path of a local path, an ``s3://`` / ``gs://`` URI or an
+    ``hf://`` location (huggingface_hub's ``HfFileSystem``: HTTP range reads, ``HF_TOKEN`` honoured)."""
+    if location.startswith(HF_SCHEME):
+        return _hf_filesystem(), location[len(HF_SCHEME):]
+    return filesystem.resolve(location)
+
+
+@lru_cache(maxsize=1)
+def _hf_filesystem() -> pafs.FileSystem:
+    from huggingface_hub import HfFileSystem
+
+    return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem()))
+
+
+def absolute_files(cfg: CorpusConfig) -> CorpusConfig:
+    """Local ``files`` made absolute (actors may start elsewhere); URIs and hub patterns as written."""
+    if cfg.source != "files":
+        return cfg
+    return replace(cfg, files=[f if filesystem.is_remote(f) else os.path.abspath(os.path.expanduser(f)) for f in cfg.files])
+
+
+# ---------------------------------------------------------------------------------------------
 # Resolving sources
 
 
-def resolve_sources(cfg: CorpusConfig) -> list[SourceFile]:
-    """The ordered input files with their row counts; raises :class:`CorpusError` naming the file."""
+def resolve_sources(cfg: CorpusConfig, hub_api=None) -> list[SourceFile]:
+    """The ordered input files with their row counts (from Parquet footers), as far as
+    ``limit_docs`` needs them; raises :class:`CorpusError` naming the file. ``hub_api`` stands in
+    for ``huggingface_hub.HfApi()`` (source=hub without hub_root)."""
     if cfg.rows_per_shard < 1:
         raise CorpusError(f"rows_per_shard must be >= 1, got {cfg.rows_per_shard}")
     if cfg.source == "files":
-        return _local_sources(cfg)
+        return _describe_all(_file_locations(cfg), cfg)
     if cfg.source == "hub":
-        return _hub_sources(cfg)
+        return _describe_all(_hub_locations(cfg, hub_api), cfg)
     raise CorpusError(f"unknown corpus source {cfg.source!r}; choose 'files' or 'hub'")
 
 
-def _local_sources(cfg: CorpusConfig) -> list[SourceFile]:
+def _file_locations(cfg: CorpusConfig) -> list[tuple[str, str | None]]:
     if not cfg.files:
-        raise CorpusError(f"corpus {cfg.name!r}: source=files needs data.files (a path or glob)")
-    paths: list[str] = []
+        raise CorpusError(f"corpus {cfg.name!r}: source=files needs data.files (a path, URI or glob)")
+    found: list[str] = []
     for pattern in cfg.files:
-        expanded = os.path.expanduser(str(pattern))
-        matches = sorted(glob.glob(expanded)) if glob.has_magic(expanded) else [expanded]
-        if not matches or not all(os.path.exists(m) for m in matches):
-            raise CorpusError(f"corpus {cfg.name!r}: no file matches {pattern!r}")
-        paths.extend(m for m in matches if m not in paths)
-    return [_describe_file(p, cfg.text_column) for p in paths]
+        matches = _expand(str(pattern), cfg.name)
+        found.extend(m for m in matches if m not in found)
+    return [(m, None) for m in found]
 
 
-def _describe_file(path: str, text_column: str) -> SourceFile:
-    name = os.path.basename(path)
-    size = os.path.getsize(path)
-    if name.endswith(".parquet"):
-        try:
-            pf = pq.ParquetFile(path)
-        except Exception as exc:
-            raise CorpusError(f"{path}: not a readable Parquet file ({exc})") from exc
-        if text_column not in pf.schema_arrow.names:
-            raise CorpusError(f"{path}: no column {text_column!r} (columns: {pf.schema_arrow.names})")
-        return SourceFile(path, "parquet", pf.metadata.num_rows, name, bytes=size)
-    if name.endswith(".jsonl"):
-        with open(path, "rb") as f:
-            rows = sum(1 for _ in f)
-        return SourceFile(path, "jsonl", rows, name, bytes=size)
-    raise CorpusError(f"{path}: unsupported corpus file type; expected .parquet or .jsonl")
+def _expand(pattern: str, corpus: str) -> list[str]:
+    text = pattern if filesystem.is_remote(pattern) else os.path.expanduser(pattern)
+    magic = any(ch in text for ch in "*?[")
+    try:
+        if magic:
+            matches = filesystem.glob(text)
+        else:
+            matches = [text] if filesystem.is_file(text) else []
+    except (OSError, ValueError) as exc:
+        raise CorpusError(f"corpus {corpus!r}: cannot list {pattern!r} ({_one_line(exc)})") from exc
+    if not matches:
+        raise CorpusError(f"corpus {corpus!r}: no file matches {pattern!r}")
+    return [m if filesystem.is_remote(m) else os.path.abspath(m) for m in matches]
 
 
-def _hub_sources(cfg: CorpusConfig) -> list[SourceFile]:
-    if not cfg.hub_id:
-        raise CorpusError(f"corpus {cfg.name!r}: source=hub needs data.hub_id")
-    import datasets
-
-    data_files = list(cfg.files) or None
-    ds = datasets.load_dataset(
-        cfg.hub_id, cfg.hub_config, split=cfg.split, revision=cfg.revision, data_files=data_files
-    )
-    if cfg.text_column not in ds.column_names:
-        raise CorpusError(f"{cfg.hub_id}: no column {cfg.text_column!r} (columns: {ds.column_names})")
-    sources, offset = [], 0
-    for cache_file in ds.cache_files:
-        path = cache_file["filename"]
-        rows = _open_arrow(path).num_rows
-        sources.append(SourceFile(path, "arrow", rows, cfg.split, row_offset=offset, bytes=os.path.getsize(path)))
-        offset += rows
-    if offset != ds.num_rows:
-        raise CorpusError(f"{cfg.hub_id}: cache files hold {offset} rows, the dataset has {ds.num_rows}")
+def _describe_all(locations: list[tuple[str, str | None]], cfg: CorpusConfig) -> list[SourceFile]:
+    """Describe files in order until ``limit_docs`` rows are covered (footers only, for Parquet)."""
+    sources: list[SourceFile] = []
+    rows = 0
+    for location, sha256 in locations:
+        if cfg.limit_docs is not None and rows >= cfg.limit_docs:
+            break
+        sources.append(describe_file(location, cfg.text_column, sha256))
+        rows += sources[-1].rows
+    _warn_large_row_groups(sources, cfg.rows_per_shard)
     return sources
 
 
-def _open_arrow(path: str) -> pa.Table:
-    return pa.ipc.open_stream(pa.memory_map(path, "r")).read_all()
+def describe_file(location: str, text_column: str, sha256: str | None = None) -> SourceFile:
+    """Row count, size and row groups of one file: a Parquet footer, or a JSONL file's lines."""
+    name = file_name(location)
+    kind = next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
+    if kind is None:
+        raise CorpusError(f"{location}: unsupported corpus file type; expected .parquet or .jsonl")
+    fs, path = open_location(location)
+    try:
+        if kind == "parquet":
+            with fs.open_input_file(path) as f:
+                size = f.size()
+                meta = pq.ParquetFile(f).metadata
+                names = meta.schema.to_arrow_schema().names
+        else:
+            size, rows = _count_lines(fs, path)
+    except Exception as exc:
+        what = "not a readable Parquet file" if kind == "parquet" else "not readable"
+        raise CorpusError(f"{location}: {what} ({_one_line(exc)})") from exc
+    if kind == "jsonl":
+        return SourceFile(location, "jsonl", rows, name, bytes=size, sha256=sha256)
+    if text_column not in names:
+        raise CorpusError(f"{location}: no column {text_column!r} (columns: {names})")
+    groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
+    return SourceFile(location, "parquet", meta.num_rows, name, bytes=size, sha256=sha256, row_groups=groups)
+
+
+def _count_lines(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
+    """Size and line count (a last line without a newline counts) of a file, streamed."""
+    size, lines, last = 0, 0, b"\n"
+    with fs.open_input_stream(path) as f:
+        while block := f.read(1 << 22):
+            size += len(block)
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return size, lines + (last != b"\n")
+
+
+def _warn_large_row_groups(sources: list[SourceFile], rows_per_shard: int) -> None:
+    """A shard reads whole row groups: where they are much larger than a shard, each remote row
+    group is fetched several times (by different shards, maybe on different nodes)."""
+    largest = max((g for s in sources if _is_remote(s.path) for g in s.row_groups), default=0)
+    if largest > 2 * rows_per_shard:
+        log.warning("Parquet row groups of up to %d rows and shards of %d rows: a row group is read by up to %d "
+                    "shards; a rows_per_shard near the row group size reads each byte once",
+                    largest, rows_per_shard, -(-largest // rows_per_shard) + 1)
+
+
+# The hub
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    """A file of a dataset repository: its path inside it, size and (where known) content sha256."""
+
+    path: str
+    size: int
+    sha256: str | None = None
+
+
+def _hub_locations(cfg: CorpusConfig, hub_api) -> list[tuple[str, str | None]]:
+    if not cfg.hub_id:
+        raise CorpusError(f"corpus {cfg.name!r}: source=hub needs data.hub_id")
+    if cfg.hub_root:
+        root = cfg.hub_root if filesystem.is_remote(cfg.hub_root) else os.path.abspath(os.path.expanduser(cfg.hub_root))
+        files = folder_listing(root)
+        where, locate = root, (lambda p: filesystem.join(root, *p.split("/")))
+    else:
+        commit, files = hub_listing(cfg.hub_id, cfg.revision, hub_api)
+        where, locate = f"{cfg.hub_id}@{cfg.revision or 'main'}", (lambda p: hub_location(cfg.hub_id, commit, p))
+    chosen = select_repo_files(files, cfg.split, cfg.hub_config, cfg.files)
+    if not chosen:
+        raise CorpusError(f"corpus {cfg.name!r}: no Parquet file in {where} for {_selection(cfg)} "
+                          f"(the repository holds: {_sample([f.path for f in files])})")
+    return [(locate(f.path), f.sha256) for f in chosen]
+
+
+def hub_location(hub_id: str, commit: str, path: str) -> str:
+    """Where ``HfFileSystem`` reads ``path`` of dataset ``hub_id`` at ``commit``."""
+    return f"{HF_SCHEME}datasets/{hub_id}@{commit}/{path}"
+
+
+def hub_listing(hub_id: str, revision: str | None, api=None) -> tuple[str, list[RepoFile]]:
+    """The commit ``revision`` (default: main) points at, and the repository's files there, each
+    with the sha256 the hub records for its content (LFS/Xet files; None for small git files)."""
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    try:
+        commit = api.dataset_info(hub_id, revision=revision).sha
+        tree = api.list_repo_tree(hub_id, repo_type="dataset", revision=commit, recursive=True)
+        files = [RepoFile(e.path, e.size, e.lfs.sha256 if getattr(e, "lfs", None) else None)
+                 for e in tree if hasattr(e, "blob_id")]
+    except Exception as exc:
+        raise CorpusError(f"cannot list the hub dataset {hub_id}@{revision or 'main'} ({_one_line(exc)}); "
+                          "without the hub, set data.hub_root to a local or s3:// copy of the repository") from exc
+    return commit, files
+
+
+def folder_listing(root: str) -> list[RepoFile]:
+    """The files under a local or object-store folder, as paths relative to it (hidden ones left out)."""
+    fs, base = filesystem.resolve(root)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+    except (OSError, ValueError) as exc:
+        raise CorpusError(f"hub_root {root}: cannot list it ({_one_line(exc)})") from exc
+    files = []
+    for info in infos:
+        rel = info.path[len(base):].lstrip("/")
+        if info.type == pafs.FileType.File and not any(part.startswith(".") for part in rel.split("/")):
+            files.append(RepoFile(rel, info.size))
+    return sorted(files, key=lambda f: f.path)
+
+
+def select_repo_files(files: Iterable[RepoFile], split: str, config: str | None,
+                      patterns: Iterable[str] = ()) -> list[RepoFile]:
+    """The Parquet files of a repository that make up the corpus, sorted by path: those matching
+    ``patterns`` (shell-style over the path in the repository) if any, else the split's files by
+    the hub's naming convention: a file name starting with ``<split>-`` or ``<split>.``, or a
+    folder named ``<split>`` (``data/train-00000-of-00114-*.parquet``, ``<config>/train/0000.parquet``).
+    ``config`` keeps only the files under that top folder."""
+    patterns = list(patterns)
+
+    def wanted(path: str) -> bool:
+        if not path.endswith(".parquet"):
+            return False
+        if config and not path.startswith(config.rstrip("/") + "/"):
+            return False
+        if patterns:
+            return any(fnmatch.fnmatchcase(path, p) for p in patterns)
+        *folders, name = path.split("/")
+        return name.startswith((f"{split}-", f"{split}.")) or split in folders
+
+    return sorted((f for f in files if wanted(f.path)), key=lambda f: f.path)
+
+
+def _selection(cfg: CorpusConfig) -> str:
+    what = f"patterns {list(cfg.files)}" if cfg.files else f"split {cfg.split!r}"
+    return what + (f" under {cfg.hub_config}/" if cfg.hub_config else "")
+
+
+def _sample(paths: list[str], n: int = 8) -> str:
+    return ", ".join(paths[:n]) + (f" and {len(paths) - n} more" if len(paths) > n else "") if paths else "nothing"
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,11 +380,10 @@ def plan_shards(sources: list[SourceFile], rows_per_shard: int, limit_docs: int 
 
 def corpus_identity(cfg: CorpusConfig, sources: list[SourceFile], shards: list[ShardSpec]) -> dict:
     """What proves two runs read the same corpus the same way: each file's name (the document ids
-    hold it), row count, size and content sha256, and the shard plan; never the files' paths."""
-    from pipeline.identity import files_sha256
-
-    digests = files_sha256([s.path for s in sources])
-    listing = [[os.path.basename(s.path), s.rows, s.bytes, d] for s, d in zip(sources, digests)]
+    hold it), row count, size and content sha256, and the shard plan; never the files' locations
+    (a local copy, a bucket and a hub mirror of the same files have the same identity)."""
+    digests = source_digests(sources)
+    listing = [[file_name(s.path), s.rows, s.bytes, d] for s, d in zip(sources, digests)]
     return {
         "name": cfg.name,
         "source": cfg.source,
@@ -210,8 +404,68 @@ def corpus_identity(cfg: CorpusConfig, sources: list[SourceFile], shards: list[S
 def legacy_files_sha256(sources: list[SourceFile]) -> str:
     """``files_sha256`` as identity format 1 computed it (names, row counts, sizes; no content), to
     compare a manifest written before the content digests with this corpus."""
-    listing = [[os.path.basename(s.path), s.rows, s.bytes] for s in sources]
+    listing = [[file_name(s.path), s.rows, s.bytes] for s in sources]
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def source_digests(sources: list[SourceFile]) -> list[str]:
+    """The content sha256 of each file: as the source records it (the hub), else hashed once and
+    cached (local files by their stat, remote objects by URI, size and ETag)."""
+    def digest(src: SourceFile) -> str:
+        if src.sha256:
+            return src.sha256
+        if _is_remote(src.path):
+            return remote_sha256_cached(src.path)
+        from pipeline.identity import file_sha256_cached
+
+        return file_sha256_cached(src.path)
+
+    if len(sources) <= 1:
+        return [digest(s) for s in sources]
+    with ThreadPoolExecutor(max_workers=min(4, len(sources))) as pool:
+        return list(pool.map(digest, sources))
+
+
+def remote_sha256_cached(location: str) -> str:
+    """The sha256 of a remote object's bytes, streamed once and cached under its URI, size and
+    version tag: the ETag (S3; any overwrite gives a new one) or the modification time where the
+    store gives no ETag; an ``hf://`` location is pinned to a commit, so its URI and size suffice.
+    An object with no such tag is hashed on every call."""
+    from pipeline.identity import digest_cache_dir
+
+    fs, path = open_location(location)
+    try:
+        with fs.open_input_file(path) as f:
+            size = f.size()
+            meta = f.metadata() or {}
+    except Exception as exc:
+        raise CorpusError(f"{location}: not readable ({_one_line(exc)})") from exc
+    tag = meta.get("ETag") or meta.get("Last-Modified")
+    if tag is None and location.startswith(HF_SCHEME):
+        tag = b"pinned"
+    key = json.dumps([location, size, tag.decode() if isinstance(tag, bytes) else tag])
+    entry = digest_cache_dir() / f"remote-{hashlib.sha256(key.encode()).hexdigest()[:40]}.json"
+    if tag is not None:
+        try:
+            cached = json.loads(entry.read_text())
+            if cached.get("key") == key:
+                return cached["sha256"]
+        except (OSError, ValueError, AttributeError):
+            pass  # not cached yet
+    h = hashlib.sha256()
+    try:
+        with fs.open_input_stream(path) as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+    except Exception as exc:
+        raise CorpusError(f"{location}: not readable ({_one_line(exc)})") from exc
+    if tag is not None:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(entry, {"key": key, "sha256": h.hexdigest()})
+        except OSError as exc:  # a read-only home: correct, only slower next time
+            log.debug("cannot cache the digest of %s: %s", location, exc)
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,36 +483,41 @@ def read_shard(spec: ShardSpec, text_column: str = "text") -> list[Document]:
 
 def _read_text_column(spec: ShardSpec, text_column: str) -> list[bytes | None]:
     try:
-        if spec.kind == "parquet":
-            table = _read_parquet_rows(spec.path, spec.start, spec.stop, text_column)
-        elif spec.kind == "arrow":
-            table = _open_arrow(spec.path).select([text_column]).slice(spec.start, spec.stop - spec.start)
-        else:
+        if spec.kind != "parquet":
             raise CorpusError(f"{spec.path}: unknown file kind {spec.kind!r}")
+        table = _read_parquet_rows(spec.path, spec.start, spec.stop, text_column)
         column = table.column(text_column)
         if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
             column = pc.cast(column, pa.large_binary())  # decode per row: one bad row is not fatal
         elif not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
             raise CorpusError(f"{spec.path}: column {text_column!r} has type {column.type}, expected string")
-        return column.to_pylist()
+        values = column.to_pylist()
     except CorpusError:
         raise
     except Exception as exc:
-        raise CorpusError(f"{spec.path}: cannot read rows {spec.start}-{spec.stop} ({exc})") from exc
+        raise CorpusError(f"{spec.path}: cannot read rows {spec.start}-{spec.stop} ({_one_line(exc)})") from exc
+    if len(values) != spec.stop - spec.start:
+        raise CorpusError(f"{spec.path}: rows {spec.start}-{spec.stop} planned, {len(values)} found; "
+                          "the file changed since the shards were planned")
+    return values
 
 
-def _read_parquet_rows(path: str, start: int, stop: int, column: str) -> pa.Table:
-    pf = pq.ParquetFile(path)
-    groups, first_row, row = [], None, 0
-    for g in range(pf.metadata.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        if row < stop and row + n > start:
-            groups.append(g)
-            first_row = row if first_row is None else first_row
-        row += n
-    if not groups:
-        return pa.table({column: pa.array([], pa.string())})
-    table = pf.read_row_groups(groups, columns=[column])
+def _read_parquet_rows(location: str, start: int, stop: int, column: str) -> pa.Table:
+    """Rows ``[start, stop)`` of one column: the footer, then only the row groups that hold them
+    (coalesced range reads on object stores)."""
+    fs, path = open_location(location)
+    with fs.open_input_file(path) as f:
+        pf = pq.ParquetFile(f, pre_buffer=True)
+        groups, first_row, row = [], None, 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if row < stop and row + n > start:
+                groups.append(g)
+                first_row = row if first_row is None else first_row
+            row += n
+        if not groups:
+            return pa.table({column: pa.array([], pa.string())})
+        table = pf.read_row_groups(groups, columns=[column])
     return table.slice(start - first_row, stop - start)
 
 
@@ -272,23 +531,46 @@ def _decode(doc_id: str, raw: bytes | None) -> Document:
 
 
 def _read_jsonl(spec: ShardSpec, text_column: str, ids: list[str]) -> Iterator[Document]:
-    with open(spec.path, "rb") as f:
-        for line_no, line in enumerate(f):
-            if line_no < spec.start:
-                continue
-            if line_no >= spec.stop:
-                break
-            doc_id = ids[line_no - spec.start]
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                yield Document(doc_id, None, problem=f"invalid_json: {exc}")
-                continue
-            if not isinstance(record, dict):
-                yield Document(doc_id, None, problem="invalid_json: line is not a JSON object")
-                continue
-            text = record.get(text_column)
-            if text is not None and not isinstance(text, str):
-                yield Document(doc_id, None, problem=f"invalid_text: {text_column!r} is {type(text).__name__}")
-                continue
-            yield Document(doc_id, text)
+    for line_no, line in enumerate(_lines(spec.path, spec.stop)):
+        if line_no < spec.start:
+            continue
+        doc_id = ids[line_no - spec.start]
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            yield Document(doc_id, None, problem=f"invalid_json: {exc}")
+            continue
+        if not isinstance(record, dict):
+            yield Document(doc_id, None, problem="invalid_json: line is not a JSON object")
+            continue
+        text = record.get(text_column)
+        if text is not None and not isinstance(text, str):
+            yield Document(doc_id, None, problem=f"invalid_text: {text_column!r} is {type(text).__name__}")
+            continue
+        yield Document(doc_id, text)
+
+
+def _lines(location: str, stop: int) -> Iterator[bytes]:
+    """The first ``stop`` lines of a local or remote file, streamed (a remote file from its start)."""
+    if not _is_remote(location):
+        with open(location, "rb") as f:
+            for line_no, line in enumerate(f):
+                if line_no >= stop:
+                    return
+                yield line
+        return
+    fs, path = open_location(location)
+    try:
+        with fs.open_input_stream(path) as f:
+            pending, line_no = b"", 0
+            while line_no < stop and (block := f.read(1 << 20)):
+                *complete, pending = (pending + block).split(b"\n")
+                for line in complete:
+                    if line_no >= stop:
+                        return
+                    yield line + b"\n"
+                    line_no += 1
+            if pending and line_no < stop:
+                yield pending
+    except OSError as exc:
+        raise CorpusError(f"{location}: cannot read lines up to {stop} ({_one_line(exc)})") from exc

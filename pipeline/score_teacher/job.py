@@ -23,13 +23,15 @@ from pathlib import Path
 from typing import Mapping
 
 from pipeline import __version__
-from pipeline.config import build, defaults, raise_if
+from pipeline.config import ConfigError, MissingPathError, build, defaults, raise_if
 from pipeline.score_teacher.corpus import (
     CorpusConfig,
     CorpusError,
     ShardSpec,
     SourceFile,
+    absolute_files,
     corpus_identity,
+    file_name,
     legacy_files_sha256,
     plan_shards,
     read_shard,
@@ -37,6 +39,20 @@ from pipeline.score_teacher.corpus import (
 )
 from pipeline.identity import is_local_model, model_identity
 from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.card import write_card_or_warn
+from pipeline.score_teacher.faults import FAULTS_ENV, inject_fault
+from pipeline.score_teacher.pool import (
+    PoolConfig,
+    PoolRun,
+    RayConfig,
+    ShardFailedError,
+    alive_nodes,
+    check_nodes_see,
+    init_ray,
+    num_actors,
+    run_shards,
+    actor_env,
+)
 from pipeline.folder_lock import exclusive_writer
 from pipeline.score_teacher.writer import (
     DatasetMismatchError,
@@ -44,6 +60,7 @@ from pipeline.score_teacher.writer import (
     finished_shards,
     folder_problem,
     prepare_output,
+    remove_unreferenced,
     write_manifest,
     write_shard,
 )
@@ -51,6 +68,7 @@ from pipeline.score_teacher.teacher import SKIP_REASONS, WindowSettings
 from pipeline.score_teacher.teacher_source import looks_local
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT
+from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
 
@@ -67,23 +85,6 @@ class TeacherConfig:
     stride: int | None = None  # None: window // 2
     trust_remote_code: bool = False
     allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); see README
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    address: str | None = None  # None: start a local cluster; "auto" or ray://host:port: join one
-    num_cpus: int | None = None  # local cluster only
-    include_dashboard: bool = False
-    dashboard_host: str = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    num_actors: int | None = None  # None: one per GPU (num_gpus each), or CPUs // num_cpus
-    num_gpus: float = 0.0
-    num_cpus: float = 1.0
-    max_restarts: int = 2  # per actor, if it dies
-    max_task_retries: int = 2  # a shard on a dead actor is retried on its restart
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,9 @@ def score_job_config(values: Mapping) -> ScoreJobConfig:
     job = build(ScoreJobConfig, {**top, **built}, "", problems, assume=parts)
     raise_if(problems)
     return replace(
-        job, output_dir=os.path.abspath(job.output_dir),
+        job, output_dir=job.output_dir if sfs.is_remote(job.output_dir) else os.path.abspath(job.output_dir),
         teacher=_absolute_paths(job.teacher, embedded=bool(teacher_values.get("embedded"))),
-        corpus=replace(job.corpus, files=[os.path.abspath(f) for f in job.corpus.files]),
+        corpus=absolute_files(job.corpus),
     )
 
 
@@ -179,13 +180,14 @@ def local_path_problems(model, tokenizer) -> list[str]:
 
 
 def corpus_file_problems(corpus: CorpusConfig) -> list[str]:
-    """The corpus files (source=files) must exist and be readable; the hub is not asked here."""
-    if corpus.source != "files" or corpus.rows_per_shard < 1:
+    """The corpus files (source=files, or a copy of a hub repository in data.hub_root) must exist
+    and be readable; the hub itself is not asked here."""
+    if corpus.problems() or (corpus.source == "hub" and not corpus.hub_root):
         return []
     try:
         resolve_sources(corpus)
     except CorpusError as exc:
-        return [f"data.files: {exc}"]
+        return [f"data.{'files' if corpus.source == 'files' else 'hub_root'}: {exc}"]
     return []
 
 
@@ -203,6 +205,8 @@ class JobSummary:
     seconds: float
     reasons: dict[str, int]
     complete: bool
+    failed: list[dict] = field(default_factory=list)  # shards given up in this run (pool.on_bad_shard=skip)
+    actors: list[dict] = field(default_factory=list)  # where the scorer actors ran (ShardScorer.describe)
 
     @property
     def tokens_per_s(self) -> float:
@@ -253,7 +257,7 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         window = _vllm_window(window, cfg.teacher)
     stride = cfg.teacher.stride or window // 2
     if not 1 <= stride < window:
-        raise ValueError(f"teacher.stride must be in [1, window) = [1, {window}), got {stride}")
+        raise ConfigError(f"teacher.stride must be in [1, window) = [1, {window}), got {stride}")
     settings = WindowSettings(window=window, stride=stride, bos_id=bos_token_id(tokenizer))
     scorer = ScorerConfig(**{**asdict(cfg.scorer), "model": cfg.teacher.model, "revision": cfg.teacher.revision,
                              "trust_remote_code": cfg.teacher.trust_remote_code, "window": window,
@@ -287,7 +291,7 @@ def _location(teacher: TeacherConfig, sources: list[SourceFile]) -> dict:
         return os.path.abspath(os.path.expanduser(name)) if is_local_model(name) else name
 
     return {"teacher_model": where(teacher.model), "teacher_tokenizer": where(teacher.tokenizer or teacher.model),
-            "corpus_files": [os.path.abspath(s.path) for s in sources]}
+            "corpus_files": [s.path for s in sources]}
 
 
 def _legacy_view(cfg: ScoreJobConfig, identity: dict, sources: list[SourceFile]) -> dict:
@@ -306,7 +310,7 @@ def _legacy_view(cfg: ScoreJobConfig, identity: dict, sources: list[SourceFile])
 def _check_local_paths(teacher: TeacherConfig) -> None:
     problems = local_path_problems(teacher.model, teacher.tokenizer)
     if problems:
-        raise FileNotFoundError("\n".join(problems))
+        raise MissingPathError("\n".join(problems))
 
 
 def _vllm_window(window: int, teacher: TeacherConfig) -> int:
@@ -328,7 +332,7 @@ def _context_length(teacher: TeacherConfig) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if getattr(config, key, None):
             return int(getattr(config, key))
-    raise ValueError(f"{teacher.model}: config gives no context length; set teacher.window")
+    raise ConfigError(f"{teacher.model}: config gives no context length; set teacher.window")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,7 +340,8 @@ def _context_length(teacher: TeacherConfig) -> int:
 
 
 class ShardScorer:
-    """Holds the teacher once; scores and writes whole shards. Runs as a Ray actor."""
+    """Holds the teacher once; scores and writes whole shards. Runs as a Ray actor, and records in
+    each shard's marker which node scored it and on which try."""
 
     def __init__(self, prepared: Prepared, teacher: TeacherConfig, cfg: ScoreJobConfig, version: str):
         import torch
@@ -348,27 +353,62 @@ class ShardScorer:
         self.prepared = prepared
         self.cfg = cfg
         self.version = version
+        self.node = _this_node()
         self.tokenizer = load_tokenizer(
             teacher.tokenizer or teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code
         )
         self.scorer = make_scorer(prepared.scorer)
 
-    def score_shard(self, spec: ShardSpec) -> dict:
+    def score_shard(self, spec: ShardSpec, attempt: int = 1) -> dict:
         from pipeline.score_teacher.teacher import score_documents
 
         t0 = time.perf_counter()
-        docs = read_shard(spec, self.cfg.corpus.text_column)
-        result = score_documents(docs, self.tokenizer, self.scorer, self.prepared.settings)
+        try:
+            inject_fault(spec.index)
+            docs = read_shard(spec, self.cfg.corpus.text_column)
+            result = score_documents(docs, self.tokenizer, self.scorer, self.prepared.settings)
+        except Exception as exc:
+            _release_cuda_memory(exc)
+            raise
         entry = write_shard(
             self.cfg.output_dir, spec.index, result, self.prepared.identity,
             _shard_source(spec), self.version, storage=self.cfg.storage,
+            scored_by={**self.node, "attempt": attempt},
         )
         entry["seconds"] = time.perf_counter() - t0
         return entry
 
+    def describe(self) -> dict:
+        """Where this actor runs, and where its code was imported from (a copy shipped by Ray's
+        runtime environment, or the installed package)."""
+        import pipeline
+
+        return {**self.node, "pid": os.getpid(), "code": os.path.dirname(os.path.abspath(pipeline.__file__))}
+
+
+def _this_node() -> dict:
+    """The Ray node this process runs on: its id, IP address and host name."""
+    import socket
+
+    import ray
+
+    if not ray.is_initialized():
+        return {"node_id": None, "node_ip": None, "hostname": socket.gethostname()}
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname()}
+
+
+def _release_cuda_memory(exc: BaseException) -> None:
+    """After CUDA ran out of memory, give the cached blocks back so that the next try starts clean."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
 
 def _shard_source(spec: ShardSpec) -> dict:
-    return {"file": os.path.basename(spec.path), "kind": spec.kind, "start": spec.start, "stop": spec.stop,
+    return {"file": file_name(spec.path), "kind": spec.kind, "start": spec.start, "stop": spec.stop,
             "first_doc_id": f"{spec.label}:{spec.row_offset + spec.start}"}
 
 
@@ -381,13 +421,15 @@ def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
     prepared = prepare(cfg)
     _refuse_mismatch_early(cfg, prepared)
     with exclusive_writer(cfg.output_dir):
-        return _score(cfg, prepared, t0)
+        summary = _score(cfg, prepared, t0)
+        remove_unreferenced(cfg.output_dir, finished_shards(cfg.output_dir))  # object stores: losing attempts
+        return summary
 
 
 def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
     """Check an existing folder before creating anything in it (the check repeats under the lock)."""
-    if Path(cfg.output_dir).is_dir() and not cfg.overwrite:
-        problem = folder_problem(Path(cfg.output_dir), prepared.identity, legacy=prepared.legacy,
+    if (sfs.is_remote(cfg.output_dir) or Path(cfg.output_dir).is_dir()) and not cfg.overwrite:
+        problem = folder_problem(cfg.output_dir, prepared.identity, legacy=prepared.legacy,
                                  migrate=cfg.migrate_identity)
         if problem:
             raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
@@ -401,119 +443,123 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     if cfg.limit_shards is not None:
         pending = pending[: cfg.limit_shards]
     done_before = len(done)
-    scored: list[dict] = []
+    run = PoolRun()
     if pending:
         try:
-            scored = _run_pool(cfg, prepared, pending, version, done, extra)
+            run = _run_pool(cfg, prepared, pending, version, done, extra)
+        except ShardFailedError as exc:
+            _record_progress(cfg.output_dir, prepared, version, extra, exc.failed)
+            raise
         except BaseException:
-            _record_progress(cfg.output_dir, prepared, version, extra)  # list what did finish, then fail
+            _record_progress(cfg.output_dir, prepared, version, extra, [])  # list what did finish, then fail
             raise
     done = finished_shards(cfg.output_dir)
-    manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version, **extra)
+    manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version,
+                              failed=run.failed, **extra)
+    write_card_or_warn(cfg.output_dir, manifest)  # README.md for people and the hub; never fails the run
     totals = manifest["totals"]
     return JobSummary(
         output_dir=str(cfg.output_dir),
         shards_planned=len(prepared.shards),
         shards_done_before=done_before,
-        shards_scored=len(scored),
+        shards_scored=len(run.scored),
         shards_complete=len(done),
         documents=totals["documents"],
         tokens=totals["tokens"],
-        documents_this_run=sum(e["rows"] for e in scored),
-        tokens_this_run=sum(e["tokens"] for e in scored),
+        documents_this_run=sum(e["rows"] for e in run.scored),
+        tokens_this_run=sum(e["tokens"] for e in run.scored),
         seconds=time.perf_counter() - t0,
         reasons=totals["reasons"],
         complete=manifest["complete"],
+        failed=run.failed,
+        actors=run.actors,
     )
 
 
-def _record_progress(output_dir: str, prepared: Prepared, version: str, extra: dict) -> None:
+def _record_progress(output_dir: str, prepared: Prepared, version: str, extra: dict, failed: list[dict]) -> None:
     try:
-        write_manifest(output_dir, prepared.identity, finished_shards(output_dir), len(prepared.shards), version, **extra)
+        write_manifest(output_dir, prepared.identity, finished_shards(output_dir), len(prepared.shards), version,
+                       failed=failed, **extra)
     except OSError as exc:  # e.g. the disk is full: the markers still hold the truth
         log.warning("could not update %s/manifest.json after the failure: %s", output_dir, exc)
 
 
 def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec], version: str, done: dict,
-              extra: dict) -> list[dict]:
+              extra: dict) -> PoolRun:
+    """Score the pending shards on a pool of :class:`ShardScorer` actors (:mod:`pipeline.score_teacher.pool`):
+    sized to the cluster's nodes, with the code shipped to them, after checking that every node sees
+    the job's local paths; the manifest is rewritten from time to time as shards finish."""
     import ray
-    from ray.util import ActorPool
     from tqdm.auto import tqdm
 
-    started_ray = _init_ray(cfg.ray)
+    cfg, prepared, pending = _absolute_for_actors(cfg, prepared, pending)
+    started_ray = init_ray(cfg.ray)
     try:
-        n_actors = min(len(pending), _num_actors(cfg.pool))
+        if os.environ.get(FAULTS_ENV):
+            log.warning("%s is set: faults are injected into this job on purpose", FAULTS_ENV)
+        env = actor_env(cfg.ray)
+        nodes = alive_nodes()
+        if len(nodes) > 1 or cfg.ray.address:
+            check_nodes_see(nodes, _local_inputs(cfg, prepared, pending), _local_output(cfg.output_dir), env)
+        n_actors = min(len(pending), num_actors(cfg.pool, nodes))
         actor_cls = ray.remote(ShardScorer).options(
             num_gpus=cfg.pool.num_gpus,
             num_cpus=cfg.pool.num_cpus,
+            resources=dict(cfg.pool.resources) or None,
             max_restarts=cfg.pool.max_restarts,
             max_task_retries=cfg.pool.max_task_retries,
+            runtime_env=env,
         )
-        actors = [actor_cls.remote(prepared, cfg.teacher, cfg, version) for _ in range(n_actors)]
-        pool = ActorPool(actors)
-        scored: list[dict] = []
-        last_manifest = time.monotonic()
         bar = tqdm(total=len(pending), unit="shard", desc=f"scoring ({n_actors} actor{'s' * (n_actors > 1)})",
                    disable=not cfg.progress, dynamic_ncols=True)
         t_start = time.perf_counter()
-        results = pool.map_unordered(lambda actor, spec: actor.score_shard.remote(spec), pending)
-        while True:
-            try:
-                entry = next(results)
-            except StopIteration:
-                break
-            except ray.exceptions.RayError as exc:
-                raise RuntimeError(f"scoring failed: {_first_line(exc)}\n{exc}") from exc
-            scored.append(entry)
-            done[entry["index"]] = entry
-            tokens = sum(e["tokens"] for e in scored)
+        last_manifest = [time.monotonic()]
+
+        def progress(run: PoolRun) -> None:
+            tokens = sum(e["tokens"] for e in run.scored)
             bar.update(1)
-            bar.set_postfix(docs=sum(e["rows"] for e in scored), tokens=tokens,
+            bar.set_postfix(docs=sum(e["rows"] for e in run.scored), tokens=tokens, failed=len(run.failed),
                             tok_s=f"{tokens / max(time.perf_counter() - t_start, 1e-9):.0f}")
-            if time.monotonic() - last_manifest > cfg.manifest_every_s:
-                write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version, **extra)
-                last_manifest = time.monotonic()
+            if time.monotonic() - last_manifest[0] > cfg.manifest_every_s:
+                write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version,
+                               failed=run.failed, **extra)
+                last_manifest[0] = time.monotonic()
+
+        def scored(entry: dict, run: PoolRun) -> None:
+            done[entry["index"]] = entry
+            progress(run)
+
+        run = run_shards(lambda: actor_cls.remote(prepared, cfg.teacher, cfg, version), n_actors, pending, cfg.pool,
+                         on_scored=scored, on_failed=lambda failure, run: progress(run))
         bar.close()
-        for actor in actors:
-            ray.kill(actor)
-        return scored
+        return run
     finally:
         if started_ray:
             ray.shutdown()
 
 
-def _first_line(exc: Exception) -> str:
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-    return lines[-1] if lines else type(exc).__name__
+def _absolute_for_actors(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec]):
+    """Local paths made absolute: the actors run in the shipped code's folder, not the driver's."""
+    def absolute(path: str | None) -> str | None:
+        return os.path.abspath(path) if path and not sfs.is_remote(path) and os.path.exists(path) else path
+
+    output_dir = cfg.output_dir if sfs.is_remote(cfg.output_dir) else os.path.abspath(cfg.output_dir)
+    teacher = replace(cfg.teacher, model=absolute(cfg.teacher.model), tokenizer=absolute(cfg.teacher.tokenizer))
+    prepared = replace(prepared, scorer=replace(prepared.scorer, model=absolute(prepared.scorer.model)))
+    return (replace(cfg, output_dir=output_dir, teacher=teacher), prepared,
+            [replace(spec, path=absolute(spec.path)) for spec in pending])
 
 
-def _init_ray(rc: RayConfig) -> bool:
-    """Start or join Ray; returns True when this call started it (so the job shuts it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kwargs = dict(include_dashboard=rc.include_dashboard, dashboard_host=rc.dashboard_host,
-                  log_to_driver=True, configure_logging=True, logging_level=logging.WARNING)
-    if rc.address:
-        ray.init(address=rc.address, **kwargs)
-    else:
-        ray.init(num_cpus=rc.num_cpus, **kwargs)
-    return True
+def _local_inputs(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec]) -> list[str]:
+    """The local paths the actors read: the teacher and tokenizer when they are folders or files
+    here (a hub id is fetched by each node), and the corpus files of the pending shards."""
+    teacher = [p for p in (cfg.teacher.model, cfg.teacher.tokenizer) if p and os.path.exists(p)]
+    corpus = sorted({s.path for s in pending if not sfs.is_remote(s.path)})
+    return [*teacher, *corpus]
 
 
-def _num_actors(pool: PoolConfig) -> int:
-    import ray
-
-    if pool.num_actors:
-        return pool.num_actors
-    resources = ray.cluster_resources()
-    if pool.num_gpus > 0:
-        n = int(resources.get("GPU", 0) // pool.num_gpus)
-        if n < 1:
-            raise RuntimeError(f"pool.num_gpus={pool.num_gpus} per actor, but the Ray cluster has {resources.get('GPU', 0)} GPUs")
-        return n
-    return max(1, int(resources.get("CPU", 1) // max(pool.num_cpus, 1e-9)))
+def _local_output(output_dir: str) -> str | None:
+    return None if sfs.is_remote(output_dir) else output_dir
 
 
 def skipped_reasons(reasons: dict[str, int]) -> dict[str, int]:

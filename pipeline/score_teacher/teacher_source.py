@@ -19,12 +19,14 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.config import ConfigError, UserError
+
 HUB_TIMEOUT_S = 10.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json")
 
 
-class TeacherSourceError(RuntimeError):
+class TeacherSourceError(UserError, RuntimeError):
     """The teacher's files cannot be had as configured; the message is one line."""
 
 
@@ -151,7 +153,7 @@ def convert_to_safetensors(model: str, out_dir: str | os.PathLike, revision: str
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not empty; remove it or choose another folder")
+        raise ConfigError(f"{out} exists and is not empty; remove it or choose another folder")
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     lm = AutoModelForCausalLM.from_pretrained(model, revision=revision, dtype="auto", use_safetensors=False,

@@ -1,8 +1,13 @@
 """Writing scored shards and keeping the dataset folder consistent across crashes and reruns.
 
-* A shard is written as ``.shard-NNNNNN.parquet.tmp-<random>``, fsynced, renamed to
+* Locally a shard is written as ``.shard-NNNNNN.parquet.tmp-<random>``, fsynced, renamed to
   ``shard-NNNNNN.parquet``; only then is its marker ``shard-NNNNNN.done.json`` written (atomically).
-  A shard without a marker is unfinished and is redone whole on the next run.
+* On an object store (``s3://``, ``gs://``: no rename) each attempt PUTs its shard whole under its
+  own name ``shard-NNNNNN.<attempt>.parquet``, then its marker ``shard-NNNNNN.<attempt>.done.json``
+  (one PUT, naming the object, its size and sha256). Two finished attempts at one shard hold the
+  same rows; the one whose file name sorts first is the shard (:func:`finished_shards`). Objects no
+  winning marker names are deleted when a run starts and ends (:func:`remove_unreferenced`).
+* A shard without a marker is unfinished and is redone whole on the next run.
 * ``manifest.json`` is written at the start of a run (identity, no shards yet or the shards already
   done) and rewritten from the markers as shards finish; readers use the shards it lists.
 * A folder scored with another identity (teacher, tokenizer, window, corpus, plan) is refused with
@@ -15,6 +20,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,10 +33,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import check_choice, refuse
+from pipeline.config import UserError, check_choice, refuse
 from pipeline.folder_lock import LOCK_NAME
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from storage_schemas import (
+    CARD_NAME,
     IDENTITY_FORMAT,
     MANIFEST_NAME,
     ROW_SCHEMA,
@@ -38,15 +45,18 @@ from storage_schemas import (
     SHARD_RE,
     file_sha256,
     identity_format,
-    marker_name,
+    marker_of,
     schema_with_metadata,
     iter_identity_differences,
+    shard_index,
     shard_name,
     write_json_atomic,
 )
+from storage_schemas import filesystem as sfs
+from storage_schemas.layout import MARKER_SUFFIX
 
 
-class DatasetMismatchError(RuntimeError):
+class DatasetMismatchError(UserError, RuntimeError):
     """The output folder holds a dataset scored with another identity."""
 
 
@@ -149,16 +159,43 @@ def write_shard(
     shard_source: dict,
     code_version: str,
     storage: StorageConfig = StorageConfig(),
+    scored_by: dict | None = None,
 ) -> dict:
-    """Write one shard atomically, then its completion marker; returns the marker entry."""
-    folder = Path(folder)
-    final = folder / shard_name(index)
-    tmp = folder / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+    """Write one shard whole, then its completion marker (module docstring); returns the marker entry.
+    ``scored_by`` (which node scored it, on which try) goes into the marker only, never into the
+    shard file, so the file's bytes do not depend on where it was scored."""
     schema = schema_with_metadata(identity, {"index": index, **shard_source}, code_version)
     docs = result.documents
     if storage.loss_precision != "float32":
         docs = [replace(d, losses=round_losses(d.losses, storage.loss_precision)) for d in docs]
     table = documents_table(docs, schema)
+    if sfs.is_remote(folder):
+        folder = os.fspath(folder)
+        file, size, digest = _put_shard(folder, index, table, storage)
+    else:
+        folder = Path(folder)
+        file, size, digest = _write_local_shard(folder, index, table, storage)
+    entry = {
+        "file": file,
+        "index": index,
+        "rows": table.num_rows,
+        "tokens": int(sum(len(d.ids) for d in result.documents)),
+        "bytes": size,
+        "sha256": digest,
+        "source": shard_source,
+        "reasons": dict(sorted(result.reasons.items())),
+        "skipped": result.skipped,
+    }
+    if scored_by is not None:
+        entry["scored_by"] = scored_by
+    write_json_atomic(sfs.child(folder, marker_of(file)), entry)
+    return entry
+
+
+def _write_local_shard(folder: Path, index: int, table: pa.Table, storage: StorageConfig) -> tuple[str, int, str]:
+    """Temporary name, fsync, rename: a reader finds the old file, the new one, or none."""
+    final = folder / shard_name(index)
+    tmp = folder / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
         pq.write_table(table, tmp, **_parquet_options(storage))
         _fsync_file(tmp)
@@ -167,19 +204,18 @@ def write_shard(
     finally:
         if tmp.exists():
             tmp.unlink()
-    entry = {
-        "file": final.name,
-        "index": index,
-        "rows": table.num_rows,
-        "tokens": int(sum(len(d.ids) for d in result.documents)),
-        "bytes": final.stat().st_size,
-        "sha256": file_sha256(final),
-        "source": shard_source,
-        "reasons": dict(sorted(result.reasons.items())),
-        "skipped": result.skipped,
-    }
-    write_json_atomic(folder / marker_name(index), entry)
-    return entry
+    return final.name, final.stat().st_size, file_sha256(final)
+
+
+def _put_shard(folder: str, index: int, table: pa.Table, storage: StorageConfig) -> tuple[str, int, str]:
+    """Encode the shard in memory and PUT it under this attempt's own name; the object store makes
+    it visible whole or not at all, and no other attempt writes that name."""
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer, **_parquet_options(storage))
+    data = buffer.getvalue()
+    name = shard_name(index, attempt=uuid.uuid4().hex[:12])
+    sfs.write_bytes(sfs.child(folder, name), data)
+    return name, data.size, hashlib.sha256(data).hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -216,29 +252,32 @@ def prepare_output(
     without a manifest, unless ``overwrite``; ``legacy`` and ``migrate`` as in :func:`folder_problem`.
     Leftover temporary files are removed.
     """
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
+    remote = sfs.is_remote(folder)
+    folder = os.fspath(folder) if remote else Path(folder)
+    if not remote and folder.exists() and not folder.is_dir():
         raise DatasetMismatchError(f"{folder}: exists and is not a folder")
     extra: dict = {"location": location}
-    if folder.is_dir():
+    if remote or folder.is_dir():
         problem = folder_problem(folder, identity, legacy=legacy, migrate=migrate)
         if problem and not overwrite:
             raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
         if problem:
             _clear_dataset(folder)
-        elif (folder / MANIFEST_NAME).is_file():
-            old = json.loads((folder / MANIFEST_NAME).read_text())
+        elif sfs.is_file(sfs.child(folder, MANIFEST_NAME)):
+            old = json.loads(sfs.read_bytes(sfs.child(folder, MANIFEST_NAME)))
             recorded = old.get("identity") or {}
             extra["adopted_from"] = old.get("adopted_from") if recorded == identity else recorded
-    folder.mkdir(parents=True, exist_ok=True)
-    for leftover in folder.glob(".*.tmp-*"):
-        leftover.unlink()
+    if not remote:
+        folder.mkdir(parents=True, exist_ok=True)
+        for leftover in folder.glob(".*.tmp-*"):
+            leftover.unlink()
     done = finished_shards(folder)
+    remove_unreferenced(folder, done)
     write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"], **extra)
     return done, extra
 
 
-def folder_problem(folder: Path, identity: dict, *, legacy: dict | None = None, migrate: bool = False) -> str | None:
+def folder_problem(folder: Path | str, identity: dict, *, legacy: dict | None = None, migrate: bool = False) -> str | None:
     """Why ``folder`` cannot take a run with ``identity`` (None: it can).
 
     A manifest of identity format 1 is compared with ``legacy`` (this setup as format 1 recorded
@@ -246,10 +285,10 @@ def folder_problem(folder: Path, identity: dict, *, legacy: dict | None = None, 
     prove which teacher weights and corpus bytes scored it, unless ``migrate`` (the user vouches
     for them), which adopts ``identity`` for the folder.
     """
-    manifest_path = folder / MANIFEST_NAME
-    if manifest_path.exists():
+    manifest_path = sfs.child(folder, MANIFEST_NAME)
+    if sfs.exists(manifest_path):
         try:
-            old = json.loads(manifest_path.read_text())
+            old = json.loads(sfs.read_bytes(manifest_path))
         except json.JSONDecodeError as exc:
             return f"{manifest_path}: unreadable manifest ({exc})"
         if old.get("schema_version") != SCHEMA_VERSION:
@@ -261,12 +300,12 @@ def folder_problem(folder: Path, identity: dict, *, legacy: dict | None = None, 
         if diffs:
             return f"{folder} was scored with a different setup:\n  " + "\n  ".join(diffs)
         return None
-    if any(folder.glob("shard-*.parquet")):
+    if any(shard_index(name) is not None for name in sfs.file_sizes(folder)):
         return f"{folder}: holds shard files but no {MANIFEST_NAME}; its origin is unknown"
     return None
 
 
-def _legacy_problem(folder: Path, recorded: dict, legacy: dict, migrate: bool) -> str | None:
+def _legacy_problem(folder: Path | str, recorded: dict, legacy: dict, migrate: bool) -> str | None:
     """:func:`folder_problem` for a manifest of identity format 1."""
     teacher = dict(recorded.get("teacher") or {})
     teacher.pop("tokenizer", None)  # a path or hub id; the tokenizer's sha256 says what it is
@@ -287,31 +326,61 @@ def _legacy_problem(folder: Path, recorded: dict, legacy: dict, migrate: bool) -
     )
 
 
-def _clear_dataset(folder: Path) -> None:
-    for path in folder.iterdir():
-        if path.name == LOCK_NAME:
+def _clear_dataset(folder: Path | str) -> None:
+    for name in sfs.file_sizes(folder):
+        if name == LOCK_NAME:
             continue
-        if SHARD_RE.match(path.name) or path.name.endswith(".done.json") or path.name == MANIFEST_NAME:
-            path.unlink()
-        elif path.name.startswith(".") and ".tmp-" in path.name:
-            path.unlink()
-        elif path.is_dir() and (path.name.startswith(".") or path.name == "inspect"):
-            shutil.rmtree(path)  # reports made by `make inspect` describe the old shards
+        if SHARD_RE.match(name) or name.endswith(MARKER_SUFFIX) or name in (MANIFEST_NAME, CARD_NAME):
+            sfs.delete(sfs.child(folder, name))
+        elif name.startswith(".") and ".tmp-" in name:
+            sfs.delete(sfs.child(folder, name))
+    if isinstance(folder, Path):
+        for path in folder.iterdir():
+            if path.is_dir() and (path.name.startswith(".") or path.name == "inspect"):
+                shutil.rmtree(path)  # reports made by `make inspect` describe the old shards
 
 
 def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:
-    """Entries of shards whose marker exists and whose file matches the marker's size."""
-    folder = Path(folder)
-    done = {}
-    for marker in sorted(folder.glob("shard-*.done.json")):
+    """Entries of the shards whose marker exists and names a file of the recorded size.
+
+    Where two attempts at one shard both finished (an object store, where a shard the job retried
+    had in fact been written), both hold the same rows and the attempt whose file name sorts first
+    is the shard: a fixed rule, so every reader of the markers picks the same one."""
+    folder = os.fspath(folder) if sfs.is_remote(folder) else Path(folder)
+    sizes = sfs.file_sizes(folder)
+    done: dict[int, dict] = {}
+    for marker in sorted(n for n in sizes if n.startswith("shard-") and n.endswith(MARKER_SUFFIX)):
         try:
-            entry = json.loads(marker.read_text())
-        except json.JSONDecodeError:
-            continue  # a torn marker cannot happen with atomic writes, but never trust it
-        shard = folder / entry.get("file", "")
-        if SHARD_RE.match(entry.get("file", "")) and shard.is_file() and shard.stat().st_size == entry.get("bytes"):
-            done[int(entry["index"])] = entry
+            entry = json.loads(sfs.read_bytes(sfs.child(folder, marker)))
+        except (OSError, json.JSONDecodeError):
+            continue  # gone since the listing, or torn (cannot happen with whole writes: never trust it)
+        file = entry.get("file") if isinstance(entry, dict) else None
+        index = shard_index(file) if isinstance(file, str) else None
+        if index is None or marker_of(file) != marker or entry.get("index") != index:
+            continue
+        if sizes.get(file) != entry.get("bytes"):
+            continue
+        if index not in done or file < done[index]["file"]:
+            done[index] = entry
     return done
+
+
+def remove_unreferenced(folder: str | os.PathLike, done: dict[int, dict]) -> list[str]:
+    """On an object store, delete the shard objects and markers that no entry of ``done`` names
+    (attempts cut short, attempts that lost to another, stale markers); returns their names.
+    A local folder is left as it is: its one file name per shard is redone in place."""
+    if not sfs.is_remote(folder):
+        return []
+    folder = os.fspath(folder)
+    keep = {name for e in done.values() for name in (e["file"], marker_of(e["file"]))}
+    stray = [n for n in sfs.file_sizes(folder)
+             if n not in keep and (SHARD_RE.match(n) or (n.startswith("shard-") and n.endswith(MARKER_SUFFIX)))]
+    for name in stray:
+        try:
+            sfs.delete(sfs.child(folder, name))
+        except FileNotFoundError:
+            pass
+    return stray
 
 
 def write_manifest(
@@ -323,10 +392,12 @@ def write_manifest(
     *,
     location: dict | None = None,
     adopted_from: dict | None = None,
+    failed: list[dict] | None = None,
 ) -> dict:
     """Write ``manifest.json`` from the finished shards' entries. ``location`` (where the teacher
     and corpus were found) is for people and never compared; ``adopted_from`` is the format-1
-    identity that shards written before a migration still carry."""
+    identity that shards written before a migration still carry; ``failed`` lists the shards the
+    run gave up on (index, error, attempts), which have no marker and are scored by the next run."""
     shards = [done[i] for i in sorted(done)]
     reasons: dict[str, int] = {}
     for entry in shards:
@@ -351,5 +422,7 @@ def write_manifest(
         manifest["location"] = location
     if adopted_from is not None:
         manifest["adopted_from"] = adopted_from
-    write_json_atomic(Path(folder) / MANIFEST_NAME, manifest)
+    if failed is not None:
+        manifest["failed"] = sorted(failed, key=lambda f: f["index"])
+    write_json_atomic(sfs.child(folder, MANIFEST_NAME), manifest)
     return manifest

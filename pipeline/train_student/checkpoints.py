@@ -22,6 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.config import MissingPathError, UserError
 from storage_schemas import write_json_atomic
 from storage_schemas.reader import data_identity_differences
 from storage_schemas import iter_identity_differences
@@ -35,7 +36,7 @@ DATA_IDENTITY_NAME = "data_identity.json"
 COMPLETE_NAME = "checkpoint_complete.json"
 
 
-class RunMismatchError(RuntimeError):
+class RunMismatchError(UserError, RuntimeError):
     """The run folder holds a run with another recipe or other data; resuming would not be exact."""
 
 
@@ -107,7 +108,7 @@ def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: di
     if checkpoint is None:
         return None
     if not Path(checkpoint).is_dir():
-        raise FileNotFoundError(f"train.resume: checkpoint {checkpoint} not found")
+        raise MissingPathError(f"train.resume: checkpoint {checkpoint} not found")
     if not is_complete_checkpoint(checkpoint):
         raise RunMismatchError(f"cannot resume {checkpoint}: it is incomplete (no checkpoint_complete.json; the "
                                "process died while saving it). Resume from an earlier checkpoint.")

@@ -7,10 +7,15 @@ first ``n`` samples sees exactly the batches an uninterrupted run would have see
 How it is built
 ---------------
 1. **Lengths** (:func:`measure_documents`, once per student tokenizer and shard): every document
-   of every shard is tokenized with the student tokenizer to count its tokens. The counts are
-   cached as ``<cache_dir>/<tokenizer sha256[:16]>/<shard sha256>.npy``, so several runs of one
-   student (and every rank of a distributed run) reuse them. This pass reads every shard whole,
-   so a corrupt shard is found here, before training (an error naming the file, or skipped).
+   of every shard is tokenized with the student tokenizer to count its tokens, reading only the
+   ``text`` column. The counts are cached as ``<cache_dir>/<tokenizer sha256[:16]>/<shard
+   sha256>.npy``, so later runs of one student reuse them. In a distributed run only the global
+   rank 0 counts (and reads and writes the cache); the other ranks, on any node, receive its
+   counts, so the pass is done once per run whether or not the nodes share the cache. A shard
+   whose text cannot be decoded is found here (an error naming the file, or skipped); the other
+   columns are decoded by the data-loader workers, which name the file and row group of a
+   damaged one. With ``on_bad_shard="skip"`` this pass decodes every column instead, so that a
+   damaged shard is left out before the packing plan is made.
 2. **Order** (:func:`build_plan`): for each epoch ``e`` the shards are permuted with
    ``default_rng([seed, e])`` and the rows inside each shard with ``default_rng([seed, e, shard])``
    (``shuffle=false`` keeps file order). Shuffling stays within shards so that reading stays local
@@ -31,6 +36,12 @@ How it is built
    where unmapped) and ``mapped``. BOS/EOS are unmapped; so is every token of a document the
    teacher stored with zero tokens (whitespace-only texts): such documents are trained as unmapped.
 
+Several teachers (METHOD 2.6): :func:`build_student_data` takes one scored dataset per teacher,
+matches their documents (:func:`pipeline.train_student.teachers.match_teachers`), plans the stream
+of the matched documents, and each worker aligns every document to each teacher separately and
+combines the losses per student token; each position then also carries every teacher's ``L_t``
+(``teacher_losses``, (L, T)) for the per-teacher metrics. With one teacher nothing of this runs.
+
 Alignment methods: ``token`` (METHOD 2.1 span overlap, aggregated with max/mean/min), ``chunk``
 (the C-chunk ablation, a mean per chunk) and ``one_to_one`` (same-vocabulary Rho-1; needs identical
 spans). :func:`resolve_alignment` turns ``token`` into ``one_to_one`` when the student's tokenizer
@@ -40,6 +51,7 @@ is the teacher's (same sha256 fingerprint), as METHOD asks for identical tokeniz
 from __future__ import annotations
 
 import logging
+import math
 import os
 import uuid
 from collections import OrderedDict
@@ -51,12 +63,18 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.config import check_at_least, check_choice, refuse
-from pipeline.train_student.align import AGGREGATIONS, align_document, align_documents
+from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
+from pipeline.train_student.align import AGGREGATIONS, DocumentAlignment, align_document, align_documents
+from pipeline.train_student.teachers import COMBINATIONS, TeacherMatch, combine_losses, file_name
 from storage_schemas.reader import BadShardError, ScoredDataset, ShardInfo, ShardReader, read_row_group
 from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
 
 log = logging.getLogger(__name__)
+
+
+class StudentDataError(UserError, ValueError):
+    """A scored row that does not fit the student data plan or the other teachers (names the file and row)."""
+
 
 ALIGNMENTS = ("token", "chunk", "one_to_one")
 
@@ -69,12 +87,23 @@ class AlignmentConfig:
     method: str = "token"  # token | chunk | one_to_one (written loss.alignment in the stage config)
     aggregate: str = "max"  # max | mean | min (token-level only)
     n_chunks: int = 8  # chunk-level only: C
+    # Several teachers (§2.6): how their L_t combine per student token; one teacher ignores both.
+    combine: str = "min"  # min | mean | max | weighted (make repro measures the modes)
+    teacher_weights: list[float] | None = None  # weighted only: one per teacher, in data.folders' teacher order
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "method", self.method, ALIGNMENTS)
         check_choice(found, "aggregate", self.aggregate, AGGREGATIONS)
         check_at_least(found, "n_chunks", self.n_chunks, 1)
+        check_choice(found, "combine", self.combine, COMBINATIONS)
+        weights = self.teacher_weights
+        if self.combine == "weighted" and not weights:
+            found.append("teacher_weights: combine=weighted needs one weight per teacher")
+        if weights and self.combine != "weighted":
+            found.append(f"teacher_weights: only read by combine=weighted (combine is {self.combine})")
+        if weights and not all(isinstance(w, (int, float)) and math.isfinite(w) and w > 0 for w in weights):
+            found.append(f"teacher_weights: {list(weights)} must all be finite and > 0")
         return found
 
     def __post_init__(self) -> None:
@@ -126,26 +155,12 @@ def measure_documents(
     """Student token counts per document, one int32 array per shard (module docstring, step 1).
 
     Returns the dataset (without the shards that failed to read when ``on_bad_shard="skip"``,
-    which are added to its ``skipped`` list) and the counts of its shards, in order.
+    which are added to its ``skipped`` list) and the counts of its shards, in order. Every rank
+    of a distributed run gets the same result from one count on the global rank 0.
     """
     require_fast(tokenizer, "student tokenizer")
-    folder = Path(cache_dir) / fingerprint(tokenizer)[:16] if cache_dir else None
-    results: list[np.ndarray | str | None] = [_cached_lengths(folder, s) for s in dataset.shards]
-    todo = [i for i, r in enumerate(results) if r is None]
-    if todo:
-        log.info("counting student tokens of %d shard(s) (cached for later runs)", len(todo))
-        jobs = [(dataset.shards[i], tokenizer) for i in todo]
-        if num_proc > 1 and len(todo) > 1:
-            import multiprocessing
-
-            with ProcessPoolExecutor(min(num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-                computed = list(pool.map(_count_shard, jobs))
-        else:
-            computed = [_count_shard(job) for job in jobs]
-        for i, value in zip(todo, computed):
-            results[i] = value
-            if folder is not None and not isinstance(value, str):
-                _store_lengths(folder, dataset.shards[i], value)
+    full = on_bad_shard == "skip"
+    results = _on_rank_zero(lambda: _shard_lengths(dataset, tokenizer, cache_dir, num_proc, full))
     bad = [{"file": str(s.path), "reason": r} for s, r in zip(dataset.shards, results) if isinstance(r, str)]
     if bad and on_bad_shard == "error":
         raise BadShardError("\n".join(f"{b['file']}: {b['reason']}" for b in bad))
@@ -159,13 +174,62 @@ def measure_documents(
     return kept, [results[i] for i in keep]
 
 
-def _count_shard(job: tuple[ShardInfo, object]) -> np.ndarray | str:
-    """Token counts of one shard's documents, or the reason it cannot be read."""
-    shard, tokenizer = job
+def _shard_lengths(dataset: ScoredDataset, tokenizer, cache_dir, num_proc: int, full: bool) -> list[np.ndarray | str]:
+    """Each shard's token counts (from the cache, else counted and stored), or why it cannot be read."""
+    folder = Path(cache_dir) / fingerprint(tokenizer)[:16] if cache_dir else None
+    results: list[np.ndarray | str | None] = [_cached_lengths(folder, s) for s in dataset.shards]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        log.info("counting student tokens of %d shard(s) (cached for later runs)", len(todo))
+        jobs = [(dataset.shards[i], tokenizer, full) for i in todo]
+        if num_proc > 1 and len(todo) > 1:
+            import multiprocessing
+
+            with ProcessPoolExecutor(min(num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+                computed = list(pool.map(_count_shard, jobs))
+        else:
+            computed = [_count_shard(job) for job in jobs]
+        for i, value in zip(todo, computed):
+            results[i] = value
+            if folder is not None and not isinstance(value, str):
+                _store_lengths(folder, dataset.shards[i], value)
+    return results
+
+
+def _on_rank_zero(compute):
+    """``compute()`` on the global rank 0 only, its result (or its exception) handed to every rank
+    of the process group; just ``compute()`` outside a distributed run. The other ranks wait in
+    the broadcast, as long as the process group's timeout (``train.ddp_timeout``)."""
+    import pickle
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return compute()
+    message: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            message[0] = ("ok", compute())
+        except Exception as exc:  # the other ranks raise it too instead of waiting for ever
+            try:
+                pickle.dumps(exc)
+                message[0] = ("error", exc)
+            except Exception:
+                message[0] = ("error", RuntimeError(f"{type(exc).__name__}: {exc}"))
+    dist.broadcast_object_list(message, src=0)
+    status, value = message[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def _count_shard(job: tuple[ShardInfo, object, bool]) -> np.ndarray | str:
+    """Token counts of one shard's documents, or the reason it cannot be read. Reads the ``text``
+    column only, or every column with ``full`` (decoding them all validates the file)."""
+    shard, tokenizer, full = job
     counts = []
     try:
         for group in range(len(shard.row_group_rows)):
-            table = read_row_group(shard, group)  # all columns: decoding them all validates the file
+            table = read_row_group(shard, group, None if full else ["text"])
             counts += count_tokens(tokenizer, table.column("text").to_pylist())
     except BadShardError as exc:
         return str(exc)
@@ -205,7 +269,7 @@ def _store_lengths(folder: Path, shard: ShardInfo, lengths: np.ndarray) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}.npy"
     np.save(tmp, lengths)
-    os.replace(tmp, path)  # concurrent writers (one per node) write identical files
+    os.replace(tmp, path)  # concurrent runs of one student write identical files
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,6 +367,37 @@ class StudentDocument:
     ids: np.ndarray  # (n,) int64
     teacher_loss: np.ndarray  # (n,) float32, NaN where unmapped
     mapped: np.ndarray  # (n,) bool
+    teacher_losses: np.ndarray | None = None  # (n, T) float32 per teacher, several teachers only
+
+
+@dataclass(frozen=True)
+class TeacherSources:
+    """What a worker needs to align each document to several teachers and combine (§2.6): where
+    each stream document is in every teacher's shards (:class:`pipeline.train_student.teachers.TeacherMatch`),
+    each teacher's resolved alignment and the combination."""
+
+    shards: list[ShardInfo]  # the stream's shards first, then every other teacher shard
+    shard: np.ndarray  # (T, D) int32 index into shards, -1 where the teacher lacks the document
+    row: np.ndarray  # (T, D) int32
+    offsets: np.ndarray  # (S + 1,) first stream document of each stream shard
+    alignments: tuple[AlignmentConfig, ...]  # per teacher
+    names: tuple[str, ...]
+    combine: str
+    weights: tuple[float, ...] | None
+
+    @classmethod
+    def of(cls, match: TeacherMatch, alignments: Sequence[AlignmentConfig], config: AlignmentConfig) -> "TeacherSources":
+        weights = tuple(config.teacher_weights) if config.combine == "weighted" else None
+        if weights is not None and len(weights) != len(match.names):
+            raise ConfigError(f"loss.teacher_weights has {len(weights)} weight(s) for {len(match.names)} teachers "
+                             f"({', '.join(match.names)}, in data.folders' order)")
+        return cls(shards=match.shards, shard=match.shard, row=match.row, offsets=match.offsets,
+                   alignments=tuple(alignments), names=tuple(match.names), combine=config.combine, weights=weights)
+
+    def locate(self, stream_shard: int, row: int) -> list[tuple[int, int]]:
+        """``(shard, row)`` in :attr:`shards` of a stream document for every teacher; ``(-1, -1)`` if missing."""
+        k = int(self.offsets[stream_shard]) + row
+        return list(zip(self.shard[:, k].tolist(), self.row[:, k].tolist()))
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -318,9 +413,11 @@ class PackedDataset(torch.utils.data.Dataset):
     size x workers x processes): the first request reads ahead at that stride, and later ones
     when they came at the same stride as the request before them. A wrong guess costs time,
     never a different sample: each document is a pure function of its row, so a sample is
-    the same alone, in any batch, in any worker, in any order and after a resume. The cache holds
-    at most ``2 * readahead_tokens`` tokens (at least four samples' worth) beyond the documents of
-    the current request.
+    the same alone, in any batch, in any worker, in any order and after a resume. Read-ahead
+    stops before sample ``end`` (the run sets it to the number of samples it trains), so with
+    the stride guessed right a process decodes only row groups that hold documents of its own
+    samples. The cache holds at most ``2 * readahead_tokens`` tokens (at least four samples'
+    worth) beyond the documents of the current request.
     """
 
     def __init__(
@@ -331,19 +428,22 @@ class PackedDataset(torch.utils.data.Dataset):
         alignment: AlignmentConfig,
         *,
         readahead_tokens: int = 2**18,
+        teachers: TeacherSources | None = None,
     ):
         require_fast(tokenizer, "student tokenizer")
         self.shards = list(shards)
+        self.teachers = teachers  # several teachers (§2.6); None: one, whose shards are ``shards``
         self.plan = plan
         self.tokenizer = tokenizer
         self.alignment = alignment
         self.bos_id = tokenizer.bos_token_id
         self.eos_id = tokenizer.eos_token_id
         if plan.add_bos and self.bos_id is None:
-            raise ValueError("add_bos is set but the student tokenizer has no BOS token")
+            raise ConfigError("add_bos is set but the student tokenizer has no BOS token")
         if plan.add_eos and self.eos_id is None:
-            raise ValueError("the student tokenizer has no EOS token to put between documents")
+            raise ConfigError("the student tokenizer has no EOS token to put between documents")
         self.readahead_tokens = max(0, readahead_tokens)
+        self.end = plan.n_samples  # read ahead no further than this sample (the run sets its last trained one + 1)
         self.cache_tokens = max(2 * self.readahead_tokens, 4 * plan.seq_len)
         self._reader: ShardReader | None = None
         self._docs: OrderedDict[int, StudentDocument] = OrderedDict()
@@ -375,13 +475,16 @@ class PackedDataset(torch.utils.data.Dataset):
         ids = np.concatenate([doc.ids[a:b] for doc, a, b in parts])  # (L+1,)
         teacher_loss = np.concatenate([doc.teacher_loss[a:b] for doc, a, b in parts])
         mapped = np.concatenate([doc.mapped[a:b] for doc, a, b in parts])
-        return {
+        sample = {
             "input_ids": torch.from_numpy(ids[:-1].copy()),  # (L,)
             "labels": torch.from_numpy(ids[1:].copy()),  # (L,) target of each position
             "teacher_loss": torch.from_numpy(teacher_loss[1:].copy()),  # (L,) L_t of the target
             "mapped": torch.from_numpy(mapped[1:].copy()),  # (L,)
             "sample_index": torch.tensor(k, dtype=torch.int64),
         }
+        if parts[0][0].teacher_losses is not None:  # several teachers: each one's L_t, (L, T)
+            sample["teacher_losses"] = torch.from_numpy(np.concatenate([doc.teacher_losses[a:b] for doc, a, b in parts])[1:])
+        return sample
 
     def _observe(self, indices: list[int]) -> None:
         """Remember the stride between this request and the previous one; after the first request,
@@ -404,8 +507,9 @@ class PackedDataset(torch.utils.data.Dataset):
             return []
         ahead, tokens = [], 0
         first, last = first + stride, last + stride
-        while first < self.plan.n_samples and tokens < self.readahead_tokens:
-            for d in self.plan.document_span(first, min(last, self.plan.n_samples - 1)):
+        end = min(self.end, self.plan.n_samples)
+        while first < end and tokens < self.readahead_tokens:
+            for d in self.plan.document_span(first, min(last, end - 1)):
                 if not ahead or d > ahead[-1]:  # a long document spans many samples: count it once
                     ahead.append(d)
                     tokens += self.plan.document_length(d)
@@ -447,7 +551,8 @@ class PackedDataset(torch.utils.data.Dataset):
         """Read, tokenize (one ``encode_batch`` call) and align (one ``align_documents`` call) the
         documents at these stream positions, checking each length against the plan."""
         if self._reader is None:
-            self._reader = ShardReader(self.shards)
+            self._reader = ShardReader(self.shards) if self.teachers is None else \
+                ShardReader(self.teachers.shards, cache_row_groups=4 * len(self.teachers.names))
         where = [(int(self.plan.doc_shard[d]), int(self.plan.doc_row[d])) for d in positions]
         rows = [self._reader.row(shard, row) for shard, row in where]
         encodings = encode_batch(self.tokenizer, [r.text for r in rows])
@@ -455,35 +560,62 @@ class PackedDataset(torch.utils.data.Dataset):
             expected = int(self.plan.doc_end[d] - (self.plan.doc_end[d - 1] if d else 0))
             n = len(encoding) + int(self.plan.add_bos) + int(self.plan.add_eos)
             if n != expected:
-                raise RuntimeError(
+                raise StudentDataError(
                     f"{self.shards[shard].path} row {row}: {n} student tokens, the length plan says {expected}; "
                     "the length cache does not match this tokenizer (delete it)"
                 )
-        aligned = self._align(encodings, rows, where)
+        if self.teachers is None:
+            aligned, per_teacher = self._align(encodings, rows, where), [None] * len(rows)
+        else:
+            aligned, per_teacher = self._align_teachers(encodings, rows, where)
         head = np.asarray([self.bos_id] if self.plan.add_bos else [], dtype=np.int64)
         tail = np.asarray([self.eos_id] if self.plan.add_eos else [], dtype=np.int64)
         nan_head, nan_tail = np.full(head.size, np.nan, np.float32), np.full(tail.size, np.nan, np.float32)
         off_head, off_tail = np.zeros(head.size, bool), np.zeros(tail.size, bool)
         return [StudentDocument(ids=np.concatenate([head, encoding.ids, tail]).astype(np.int64, copy=False),
                                 teacher_loss=np.concatenate([nan_head, doc.teacher_loss, nan_tail]),
-                                mapped=np.concatenate([off_head, doc.mapped, off_tail]))
-                for encoding, doc in zip(encodings, aligned)]
+                                mapped=np.concatenate([off_head, doc.mapped, off_tail]),
+                                teacher_losses=None if each is None else np.pad(
+                                    each, ((head.size, tail.size), (0, 0)), constant_values=np.nan))
+                for encoding, doc, each in zip(encodings, aligned, per_teacher)]
 
-    def _align(self, encodings, rows, where) -> list:
+    def _align(self, encodings, rows, where, alignment: AlignmentConfig | None = None, shards=None) -> list:
         """``align_documents`` for the batch; a document it refuses is named by file and row."""
-        method = self.alignment.method
-        options = dict(one_to_one=method == "one_to_one", n_chunks=self.alignment.n_chunks if method == "chunk" else None)
+        alignment, shards = alignment or self.alignment, shards or self.shards
+        method = alignment.method
+        options = dict(one_to_one=method == "one_to_one", n_chunks=alignment.n_chunks if method == "chunk" else None)
         try:
-            return align_documents(encodings, [(r.starts, r.ends, r.losses) for r in rows], self.alignment.aggregate,
+            return align_documents(encodings, [(r.starts, r.ends, r.losses) for r in rows], alignment.aggregate,
                                    text_lens=[len(r.text) for r in rows], **options)
         except ValueError:
             for encoding, row, (shard, index) in zip(encodings, rows, where):  # find the document
                 try:
-                    align_document(encoding, row.starts, row.ends, row.losses, self.alignment.aggregate,
+                    align_document(encoding, row.starts, row.ends, row.losses, alignment.aggregate,
                                    text_len=len(row.text), **options)
                 except ValueError as exc:
-                    raise ValueError(f"{self.shards[shard].path} row {index}: {exc}") from exc
+                    raise StudentDataError(f"{shards[shard].path} row {index}: {exc}") from exc
             raise
+
+    def _align_teachers(self, encodings, rows, where) -> tuple[list[DocumentAlignment], list[np.ndarray]]:
+        """Each teacher's ``L_t`` (its own alignment, all NaN for a document it lacks), combined per
+        student token (§2.6). Returns the combined alignments and each document's (n, T) losses."""
+        t = self.teachers
+        located = [t.locate(shard, row) for shard, row in where]  # per document, per teacher
+        columns = []
+        for k, alignment in enumerate(t.alignments):
+            have = [i for i, places in enumerate(located) if places[k][0] >= 0]
+            mine = [where[i] if located[i][k] == where[i] else located[i][k] for i in have]
+            own = [rows[i] if place == where[i] else self._reader.row(*place) for i, place in zip(have, mine)]
+            for i, place, row in zip(have, mine, own):
+                if row.text != rows[i].text:  # matched by digest when the data was opened: the files changed since
+                    raise StudentDataError(f"{t.shards[place[0]].path} row {place[1]}: teacher {t.names[k]} holds another "
+                                     f"text than {self.shards[where[i][0]].path} row {where[i][1]}")
+            done = dict(zip(have, self._align([encodings[i] for i in have], own, mine, alignment, t.shards)))
+            columns.append([done[i].teacher_loss if i in done else np.full(len(encodings[i]), np.nan, np.float32)
+                            for i in range(len(rows))])
+        per_teacher = [np.stack([column[i] for column in columns], axis=1) for i in range(len(rows))]  # (n, T) each
+        combined = [combine_losses(losses, t.combine, t.weights) for losses in per_teacher]
+        return [DocumentAlignment(teacher_loss=c, mapped=~np.isnan(c)) for c in combined], per_teacher
 
 
 def _readers() -> int:
@@ -507,13 +639,15 @@ def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
 @dataclass
 class StudentData:
     dataset: PackedDataset
-    scored: ScoredDataset  # the shards actually used
+    scored: ScoredDataset  # the shards actually used (several teachers: the stream's, §2.6)
     plan: PackPlan
-    alignment: AlignmentConfig  # as resolved
+    alignment: AlignmentConfig  # as resolved (several teachers: the first teacher's)
+    teachers: TeacherMatch | None = None  # several teachers only
 
     def identity(self, tokenizer_sha256: str, packing: PackingConfig) -> dict:
-        """The scored dataset's identity plus everything that fixes the sample order."""
-        return {
+        """The scored dataset's identity plus everything that fixes the sample order; with several
+        teachers also every teacher's data, alignment and the combination."""
+        identity = {
             **self.scored.identity(),
             "student_tokenizer_sha256": tokenizer_sha256,
             "alignment": {"method": self.alignment.method, "aggregate": self.alignment.aggregate,
@@ -521,10 +655,38 @@ class StudentData:
             "packing": {"seed": packing.seed, "shuffle": packing.shuffle, "epochs": packing.epochs,
                         **self.plan.summary()},
         }
+        if self.teachers is not None:
+            identity["teachers"] = [_teacher_identity(d, a) for d, a in
+                                    zip(self.teachers.datasets, self.dataset.teachers.alignments)]
+            identity["combine"] = {"how": self.dataset.teachers.combine, "weights": self.dataset.teachers.weights,
+                                   "missing_documents": self.teachers.missing_rule}
+        return identity
+
+    def summary(self) -> dict:
+        """What the run summary reports about the data."""
+        out = {**self.plan.summary(), "alignment": self.alignment.method, "aggregate": self.alignment.aggregate,
+               "shards_used": len(self.scored.shards), "shards_skipped": self.scored.skipped,
+               "teacher": self.scored.teacher.get("teacher", {}).get("name")}
+        if self.teachers is not None:
+            out.update(self.teachers.summary(), combine=self.dataset.teachers.combine,
+                       teacher_weights=self.dataset.teachers.weights,
+                       teacher_alignments=[a.method for a in self.dataset.teachers.alignments])
+        return out
+
+
+def _teacher_identity(dataset: ScoredDataset, alignment: AlignmentConfig) -> dict:
+    """One teacher's part of a several-teacher data identity, without where its folders are."""
+    return {
+        "teacher": dataset.teacher,
+        "folders": [{"complete": f.complete, "identity": f.identity} for f in dataset.folders],
+        "shards_used": [{"file": file_name(s), "folder": s.folder, "sha256": s.sha256, "rows": s.rows}
+                        for s in dataset.shards],
+        "alignment": {"method": alignment.method, "aggregate": alignment.aggregate, "n_chunks": alignment.n_chunks},
+    }
 
 
 def build_student_data(
-    scored: ScoredDataset,
+    scored: ScoredDataset | Sequence[ScoredDataset],
     tokenizer,
     packing: PackingConfig,
     alignment: AlignmentConfig,
@@ -532,10 +694,46 @@ def build_student_data(
     cache_dir: str | os.PathLike | None = None,
     num_proc: int = 1,
     on_bad_shard: str = "error",
+    missing_documents: str = "refuse",
 ) -> StudentData:
-    """Measure, plan and wrap a scored dataset as packed samples for one student tokenizer."""
+    """Measure, plan and wrap a scored dataset as packed samples for one student tokenizer.
+
+    ``scored`` is one teacher's dataset, or one per teacher (:func:`pipeline.train_student.teachers.open_teachers`):
+    several are matched document by document and combined per ``alignment.combine`` (§2.6)."""
+    if not isinstance(scored, ScoredDataset):
+        if len(scored) > 1:
+            return _build_several(list(scored), tokenizer, packing, alignment, cache_dir=cache_dir,
+                                  num_proc=num_proc, on_bad_shard=on_bad_shard, missing_documents=missing_documents)
+        scored = scored[0]
     scored, lengths = measure_documents(scored, tokenizer, cache_dir, num_proc=num_proc, on_bad_shard=on_bad_shard)
     add_bos = packing.add_bos if packing.add_bos is not None else bos_token_id(tokenizer) is not None
     plan = build_plan(lengths, packing, add_bos)
     alignment = resolve_alignment(alignment, tokenizer, scored.folders[0].identity)
     return StudentData(PackedDataset(scored.shards, plan, tokenizer, alignment), scored, plan, alignment)
+
+
+def _build_several(datasets: list[ScoredDataset], tokenizer, packing: PackingConfig, alignment: AlignmentConfig, *,
+                   cache_dir, num_proc: int, on_bad_shard: str, missing_documents: str) -> StudentData:
+    """:func:`build_student_data` for several teachers: match, then measure and plan the stream
+    (rows of a later teacher's shard that an earlier teacher holds are left out)."""
+    from pipeline.train_student.teachers import match_teachers, teacher_names
+
+    if alignment.combine == "weighted" and len(alignment.teacher_weights) != len(datasets):
+        raise ConfigError(f"loss.teacher_weights has {len(alignment.teacher_weights)} weight(s) for {len(datasets)} "
+                         f"teachers ({', '.join(teacher_names(datasets))}, in data.folders' order)")
+    match = match_teachers(datasets, missing=missing_documents, on_bad_shard=on_bad_shard)
+    stream, lengths = measure_documents(match.stream, tokenizer, cache_dir, num_proc=num_proc,
+                                        on_bad_shard=on_bad_shard)
+    if len(stream.shards) != len(match.stream.shards):
+        raise BadShardError("a shard became unreadable between matching the teachers and counting tokens: "
+                            + ", ".join(str(s["file"]) for s in stream.skipped[len(match.stream.skipped):]))
+    lengths = [n if keep is None else np.where(keep, n, 0) for n, keep in zip(lengths, match.include)]
+    add_bos = packing.add_bos if packing.add_bos is not None else bos_token_id(tokenizer) is not None
+    plan = build_plan(lengths, packing, add_bos)
+    left_out = sum(int((~keep).sum()) for keep in match.include if keep is not None) * packing.epochs
+    plan = replace(plan, n_empty=plan.n_empty - left_out)
+    alignments = [resolve_alignment(alignment, tokenizer, d.folders[0].identity) for d in match.datasets]
+    sources = TeacherSources.of(match, alignments, alignment)
+    dataset = PackedDataset(stream.shards, plan, tokenizer, alignments[0], teachers=sources)
+    log.info("%d teachers (%s), combined by %s", len(match.names), ", ".join(match.names), alignment.combine)
+    return StudentData(dataset, stream, plan, alignments[0], teachers=match)

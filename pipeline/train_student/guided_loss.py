@@ -190,6 +190,30 @@ def guided_loss(
         is trained (no valid token, or ``exclude`` with nothing mapped) it is a zero that still has
         a ``grad_fn`` connected to the logits, so ``backward()`` works and gives zero gradients.
     """
+    selection = guided_selection(logits_or_token_loss, labels, teacher_loss, mapped, config, generator)
+    return selection.loss, selection.stats
+
+
+@dataclass(frozen=True)
+class GuidedSelection:
+    """:func:`guided_loss`'s result with the per-token pieces it was computed from, (B, T) each."""
+
+    loss: torch.Tensor
+    stats: SelectionStats
+    token_loss: torch.Tensor  # l_s, detached
+    valid: torch.Tensor
+    selected: torch.Tensor  # the mapped tokens chosen
+
+
+def guided_selection(
+    logits_or_token_loss: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_loss: torch.Tensor | None = None,
+    mapped: torch.Tensor | None = None,
+    config: SelectionConfig = SelectionConfig(),
+    generator: torch.Generator | None = None,
+) -> GuidedSelection:
+    """:func:`guided_loss`, also returning the masks (for per-teacher metrics, §2.6)."""
     if logits_or_token_loss.dim() == 3:
         token_loss = token_cross_entropy(logits_or_token_loss, labels)  # (B, T)
     elif logits_or_token_loss.dim() == 2:
@@ -203,7 +227,7 @@ def guided_loss(
     trained, selected = select_tokens(token_loss, valid, teacher_loss, mapped, config, generator)
     loss = _mean_with_grad(token_loss, trained)
     stats = _stats(token_loss.detach(), valid, trained, selected, teacher_loss, mapped)
-    return loss, stats
+    return GuidedSelection(loss, stats, token_loss.detach(), valid, selected)
 
 
 def _stats(token_loss, valid, trained, selected, teacher_loss, mapped) -> SelectionStats:

@@ -1,7 +1,8 @@
 """Stage 2 as a library call: train a student on a scored dataset with the teacher-guided loss.
 
 :func:`run_training` reads as its steps: resolve the batch geometry, open and validate the scored
-data, load the student's tokenizer and plan the packed samples (docs/METHOD.md §2.4), check the run
+data, refuse a length the scored data cannot hold (:func:`check_token_budget`, before the token
+count), load the student's tokenizer and plan the packed samples (docs/METHOD.md §2.4), check the run
 folder (resume or refuse, :mod:`pipeline.train_student.checkpoints`), load the student, train with
 :class:`pipeline.train_student.trainer.GuidedTrainer`, save the final model. Everything that can fail
 on bad input fails before the model is loaded. Resuming restores weights, optimizer, schedule, RNG
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from typing import Mapping
 
-from pipeline.config import build, check_at_least, check_choice, defaults, raise_if
+from pipeline.config import ConfigError, build, check_at_least, check_choice, defaults, raise_if
 from pipeline.identity import model_identity
 from pipeline.score_teacher.teacher_source import looks_local
 from pipeline.folder_lock import exclusive_writer
@@ -43,7 +44,9 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
 )
 from pipeline.train_student.data import AlignmentConfig, PackingConfig, StudentData, build_student_data
 from pipeline.train_student.guided_loss import SelectionConfig
-from storage_schemas.reader import ON_BAD_SHARD, VERIFY, open_scored_dataset
+from pipeline.train_student.teachers import MISSING_RULES, open_teachers
+from storage_schemas import filesystem as sfs
+from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +90,15 @@ class DataConfig:
     num_workers: int = 1  # data-loader worker processes (tokenization and alignment run there)
     prefetch_factor: int | None = None
     length_workers: int = 1  # processes for the one-off token count pass
+    missing_documents: str = "refuse"  # several teachers: a document one lacks is refused | unmapped for it
+    token_ratio_bound: float = 1.25  # student tokens per teacher token assumed at most, before the count
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "on_bad_shard", self.on_bad_shard, ON_BAD_SHARD)
+        check_choice(found, "missing_documents", self.missing_documents, MISSING_RULES)
+        if not self.token_ratio_bound > 0:
+            found.append(f"token_ratio_bound: must be > 0, got {self.token_ratio_bound}")
         check_choice(found, "verify", self.verify, VERIFY)
         check_at_least(found, "epochs", self.epochs, 1)
         if not self.folders:
@@ -124,7 +132,7 @@ class TrainConfig:
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     use_cpu: bool = False
     ddp_backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
-    ddp_timeout: int = 7200  # seconds; ranks wait this long for the first one's token count pass
+    ddp_timeout: int = 7200  # seconds; the other ranks wait this long for global rank 0's token count pass
     torch_compile: bool = False
     cpu_threads: int | None = None  # torch intra-op threads while training (None: torch's default)
     max_nonfinite_in_a_row: int = 5  # skipped (non-finite) optimizer steps in a row before the run stops
@@ -160,7 +168,9 @@ class TrainJobConfig:
     def recipe(self) -> dict:
         """What a resumed run must share with the interrupted one (``run.json``)."""
         data = {k: v for k, v in asdict(self.data).items()
-                if k not in ("folders", "num_workers", "prefetch_factor", "length_workers", "cache_dir")}
+                if k not in ("folders", "num_workers", "prefetch_factor", "length_workers", "cache_dir",
+                             "missing_documents",  # several teachers: in the data identity
+                             "token_ratio_bound")}
         train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL}
         student = {k: v for k, v in asdict(self.student).items() if k != "name"}
         loss = {**asdict(self.selection), "aggregate": self.alignment.aggregate,
@@ -239,7 +249,7 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
     return replace(
         job, output_dir=os.path.abspath(job.output_dir),
         student=replace(job.student, model=os.path.abspath(model)) if embedded or Path(model).exists() else job.student,
-        data=replace(data, folders=[os.path.abspath(f) for f in data.folders],
+        data=replace(data, folders=[f if sfs.is_remote(f) else os.path.abspath(f) for f in data.folders],
                      cache_dir=os.path.abspath(data.cache_dir) if data.cache_dir else None),
     )
 
@@ -248,7 +258,7 @@ def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
     """Scored folders that do not exist, and a student given as a local path that does not."""
     found = [f"data.folders: scored dataset folder not found: {f} (score the corpus first: make "
              "score-teacher with the same teacher and data, or point data.folders at a scored dataset)"
-             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not Path(f).is_dir()]
+             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not sfs.is_dir(f)]
     if (isinstance(model, str) and model and not embedded_student and looks_local(model)
             and not os.path.exists(os.path.expanduser(model))):
         found.append(f"student.model: no such local folder: {model}")
@@ -264,18 +274,18 @@ def _geometry(t: TrainConfig, seq_len: int, world_size: int) -> tuple[int, int]:
     per_pass = t.micro_batch_size * seq_len * world_size  # tokens of one forward on all ranks
     if t.global_batch_tokens is not None:
         if t.global_batch_tokens % per_pass:
-            raise ValueError(
+            raise ConfigError(
                 f"train.global_batch_tokens {t.global_batch_tokens} is not a multiple of micro_batch_size x seq_len "
                 f"x processes = {t.micro_batch_size} x {seq_len} x {world_size} = {per_pass}"
             )
         accumulation = t.global_batch_tokens // per_pass
         if t.gradient_accumulation_steps not in (None, accumulation):
-            raise ValueError(f"train.gradient_accumulation_steps {t.gradient_accumulation_steps} contradicts "
+            raise ConfigError(f"train.gradient_accumulation_steps {t.gradient_accumulation_steps} contradicts "
                              f"global_batch_tokens (which gives {accumulation} with {world_size} processes)")
     else:
         accumulation = t.gradient_accumulation_steps or 1
     if accumulation < 1:
-        raise ValueError(f"train.gradient_accumulation_steps must be >= 1, got {accumulation}")
+        raise ConfigError(f"train.gradient_accumulation_steps must be >= 1, got {accumulation}")
     return accumulation, accumulation * per_pass
 
 
@@ -316,16 +326,18 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     problems = validate(job, world_size)
     if problems:
-        raise ValueError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     accumulation, tokens_per_step = batch_geometry(job, world_size)
     args = _training_arguments(job, accumulation, max_steps=1)  # max_steps is set once the data is known
 
     tokenizer = load_tokenizer(job.student.tokenizer or job.student.model, revision=job.student.revision,
                                trust_remote_code=job.student.trust_remote_code)
-    with args.main_process_first(local=True, desc="scored data"):
-        data = prepare_data(job, tokenizer)
+    args.process_index  # noqa: B018  (sets up the process group: every rank takes the token counts from rank 0)
+    data = prepare_data(job, tokenizer, check=lambda scored: check_token_budget(job, scored, world_size, accumulation))
+    with args.main_process_first(local=True, desc="student identity"):
         student = model_identity(job.student.model, job.student.revision)  # digests cached for the other ranks
     args.max_steps = _number_of_steps(job, data, world_size, accumulation, tokens_per_step)
+    data.dataset.end = args.max_steps * job.train.micro_batch_size * world_size * accumulation  # samples trained
     identity = data.identity(fingerprint(tokenizer), _packing(job))
 
     if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
@@ -376,19 +388,21 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
     return TrainSummary(
         output_dir=job.output_dir, final_model=str(final), steps=steps, resumed_from=checkpoint,
         tokens_per_step=tokens_per_step, tokens_trained=(steps - start_step) * tokens_per_step, seconds=seconds,
-        data={**data.plan.summary(), "alignment": data.alignment.method, "aggregate": data.alignment.aggregate,
-              "shards_used": len(data.scored.shards), "shards_skipped": data.scored.skipped,
-              "teacher": data.scored.teacher.get("teacher", {}).get("name")},
+        data=data.summary(),
         last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
         nonfinite_steps=list(trainer.guard.skipped),
     )
 
 
-def prepare_data(job: TrainJobConfig, tokenizer) -> StudentData:
+def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData:
+    """Open the scored folders, run ``check(scored)`` (before the token count), count and plan."""
     d = job.data
-    scored = open_scored_dataset(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
+    scored = open_teachers(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
+    if check is not None:
+        check(scored)
     return build_student_data(scored, tokenizer, _packing(job), job.alignment, cache_dir=d.cache_dir,
-                              num_proc=d.length_workers, on_bad_shard=d.on_bad_shard)
+                              num_proc=d.length_workers, on_bad_shard=d.on_bad_shard,
+                              missing_documents=d.missing_documents)
 
 
 def _packing(job: TrainJobConfig) -> PackingConfig:
@@ -397,10 +411,67 @@ def _packing(job: TrainJobConfig) -> PackingConfig:
                          add_bos=d.add_bos, add_eos=d.add_eos)
 
 
+def check_token_budget(job: TrainJobConfig, scored, world_size: int, accumulation: int) -> None:
+    """Refuse, before the token count, a run asking for more optimizer steps than the scored data
+    can possibly give.
+
+    The student's token count is not known before the count pass, so it is bounded from the
+    teacher's, which every manifest records per shard: at most ``data.token_ratio_bound``
+    student tokens per teacher token, plus BOS and EOS per document, times ``data.epochs``. A
+    run that passes may still be refused after the count (:func:`_number_of_steps`), with the
+    exact numbers. Shards whose manifest entry records no token count leave the check out.
+    """
+    t, d = job.train, job.data
+    samples_per_step = t.micro_batch_size * world_size * accumulation
+    tokens_per_step = samples_per_step * job.student.seq_len
+    if t.max_steps is not None:
+        asked, what = t.max_steps, f"train.max_steps {t.max_steps:,}"
+    elif t.max_tokens is not None:
+        asked, what = math.ceil(t.max_tokens / tokens_per_step), f"train.max_tokens {t.max_tokens:,}"
+    else:
+        return  # one pass over whatever the data holds
+    # Several teachers: with missing_documents=refuse every teacher holds the same documents, so the
+    # largest teacher count bounds the stream; with unmapped the stream is at most their union (the sum).
+    counts = [_recorded_tokens(one) for one in (scored if isinstance(scored, list) else [scored])]
+    if any(c is None for c in counts):
+        log.warning("a manifest records no token count for some shard: the length is checked after the token count")
+        return
+    pick = max if d.missing_documents == "refuse" else lambda cs: tuple(map(sum, zip(*cs)))
+    teacher_tokens, documents = pick(counts)
+    n_shards = sum(len(one.shards) for one in (scored if isinstance(scored, list) else [scored]))
+    per_pass = math.floor(teacher_tokens * d.token_ratio_bound) + 2 * documents  # stream tokens, at most
+    bound = max(0, (per_pass * d.epochs - 1) // job.student.seq_len) // samples_per_step
+    if asked <= bound:
+        return
+    epochs = math.ceil((asked * samples_per_step * job.student.seq_len + 1) / per_pass)
+    fewer = (f"train.max_tokens={bound * tokens_per_step} or less (or train.max_steps={bound}, or neither: one pass)"
+             if bound else "a smaller global batch")
+    raise ConfigError(
+        f"{what} asks for {asked:,} optimizer steps of {tokens_per_step:,} tokens ({asked * tokens_per_step:,} "
+        f"tokens); the scored data holds {teacher_tokens:,} teacher tokens in {n_shards} shard(s), at most "
+        f"{per_pass:,} student tokens per pass (<= {d.token_ratio_bound} per teacher token, data.token_ratio_bound, "
+        f"plus BOS/EOS per document) x {d.epochs} pass(es): at most {bound:,} steps. Ask for {fewer}, or for "
+        f"data.epochs={epochs} or more, or score more data."
+    )
+
+
+def _recorded_tokens(scored) -> tuple[int, int] | None:
+    """(teacher tokens, documents) of one teacher's opened folders from their manifests; None when
+    some shard's entry records no token count."""
+    entries = {(i, e.get("file")): e for i, f in enumerate(scored.folders) for e in f.manifest.get("shards", [])}
+    recorded = [entries.get((s.folder, str(s.path).replace("\\", "/").rsplit("/", 1)[-1]), {}).get("tokens")
+                for s in scored.shards]
+    if any(not isinstance(n, int) for n in recorded):
+        return None
+    return sum(recorded), sum(s.rows for s in scored.shards)
+
+
 def _number_of_steps(job: TrainJobConfig, data: StudentData, world_size: int, accumulation: int,
                      tokens_per_step: int) -> int:
     samples_per_step = job.train.micro_batch_size * world_size * accumulation
     available = data.plan.n_samples // samples_per_step
+    log.info("the packed data (%d pass(es)): %d samples, %d optimizer steps of %d tokens", job.data.epochs,
+             data.plan.n_samples, available, tokens_per_step)
     if job.train.max_steps is not None:
         steps = job.train.max_steps
     elif job.train.max_tokens is not None:
@@ -408,10 +479,11 @@ def _number_of_steps(job: TrainJobConfig, data: StudentData, world_size: int, ac
     else:
         steps = available
     if steps < 1 or steps > available:
-        raise ValueError(
+        raise ConfigError(
             f"{steps} optimizer steps asked for, the data gives {available}: {data.plan.n_samples} packed samples "
             f"of {job.student.seq_len} tokens, {samples_per_step} samples per step ({tokens_per_step} tokens). "
-            "Ask for fewer steps, a smaller batch, or more passes (data.epochs)."
+            f"Ask for fewer steps (train.max_tokens={available * tokens_per_step} or train.max_steps={available}), "
+            "a smaller batch, or more passes (data.epochs)."
         )
     return steps
 
@@ -431,10 +503,10 @@ def load_student(student: StudentConfig, vocab_size: int):
     model = AutoModelForCausalLM.from_pretrained(student.model, **kwargs)
     rows = model.get_input_embeddings().weight.shape[0]
     if vocab_size > rows:
-        raise ValueError(f"the student tokenizer has {vocab_size} tokens, the model's embedding only {rows} rows")
+        raise ConfigError(f"the student tokenizer has {vocab_size} tokens, the model's embedding only {rows} rows")
     context = getattr(model.config, "max_position_embeddings", None)
     if context and student.seq_len > context:
-        raise ValueError(f"student.seq_len {student.seq_len} exceeds the model's context {context}")
+        raise ConfigError(f"student.seq_len {student.seq_len} exceeds the model's context {context}")
     model.config.use_cache = False
     return model
 
@@ -535,4 +607,13 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
         selection=job.selection,
         seed=job.train.seed,
         guard=guard,
+        teacher_metrics=_teacher_metrics(job, data),
     )
+
+
+def _teacher_metrics(job: TrainJobConfig, data: StudentData):
+    """Per-teacher metrics of a several-teacher run (None with one teacher)."""
+    from pipeline.train_student.teachers import TeacherMetrics
+
+    sources = data.dataset.teachers
+    return None if sources is None else TeacherMetrics(sources.names, sources.combine, sources.weights, job.selection)

@@ -1,18 +1,24 @@
 """The Hugging Face ``Trainer`` with the teacher-guided loss (docs/METHOD.md §2.2), its metrics and
 its checkpoint records.
 
-:class:`GuidedTrainer` changes ``transformers.Trainer`` in four ways:
+:class:`GuidedTrainer` changes ``transformers.Trainer`` in five ways:
 
-* ``compute_loss`` hands the student's logits to :func:`pipeline.train_student.guided_loss.guided_loss`
+* ``compute_loss`` hands the student's logits to :func:`pipeline.train_student.guided_loss.guided_selection`
   with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.train_student.data`),
   ``teacher_loss`` and ``mapped``. The loss is a per-micro-batch mean, so the top k% is selected
   per micro-batch and per rank, see docs/METHOD.md §2.2. ``random`` mode seeds its draw with
   ``(seed, step, micro-batch, rank)``, so a resumed run draws the same tokens.
 * the sampler is sequential: the dataset is already in its shuffled order, so the Trainer's resume
-  (skip the batches already trained) lands exactly on the next sample.
+  (skip the batches already trained) lands exactly on the next sample. It stops at the dataset's
+  ``end`` (the samples the run trains), so no data-loader worker, prefetching ahead, reads a
+  sample past the last step.
 * every log adds token-weighted statistics of the selection since the last log (``loss_kept``,
   ``loss_all``, ``kept_fraction``, ``mapped_fraction``, ``teacher_loss_kept``/``_dropped``,
   ``excess_loss``, ``tokens_per_s``, ``tokens_seen``, ``sample_first``/``sample_last``).
+* with several teachers (docs/METHOD.md §2.6) every log also adds per-teacher metrics
+  (:class:`pipeline.train_student.teachers.TeacherMetrics`: ``decided_t<i>``,
+  ``mapped_fraction_t<i>``, ``selection_jaccard_t<a>_t<b>``), kept in the section "several
+  teachers" below; a skipped step's sums are dropped, as for the other metrics.
 * a step whose loss (any micro-batch, any rank) or gradient is not finite is skipped whole: the
   optimizer does nothing, while the step still counts (batches consumed, schedule advanced), so a
   resumed run stays exact. After ``max_in_a_row`` such steps in a row the trainer saves a
@@ -37,8 +43,10 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
+from pipeline.config import UserError
 from pipeline.train_student.checkpoints import mark_complete
-from pipeline.train_student.guided_loss import SelectionConfig, guided_loss
+from pipeline.train_student.guided_loss import SelectionConfig, guided_selection
+from pipeline.train_student.teachers import TeacherMetrics
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +55,7 @@ _SUMS = ("tokens", "n_valid", "n_mapped", "n_selected", "n_kept", "loss_kept", "
          "teacher_loss_kept", "teacher_loss_dropped", "excess_loss")
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient; the run stopped."""
 
 
@@ -81,8 +89,10 @@ class NonFiniteGuard:
 
 class GuidedTrainer(Trainer):
     def __init__(self, *args, selection: SelectionConfig, seed: int = 0, guard: NonFiniteGuard | None = None,
-                 **kwargs):
+                 teacher_metrics: TeacherMetrics | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.teacher_metrics = teacher_metrics  # several teachers (docs/METHOD.md §2.6)
+        self._teacher_sums = self._teacher_step_sums = None
         self.selection = selection
         self.selection_seed = seed
         self.guard = guard or NonFiniteGuard()
@@ -100,18 +110,21 @@ class GuidedTrainer(Trainer):
     # ---- data --------------------------------------------------------------------------------
 
     def _get_train_sampler(self, train_dataset=None):
-        return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return torch.utils.data.SequentialSampler(range(min(getattr(dataset, "end", len(dataset)), len(dataset))))
 
     # ---- loss --------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logits = model(input_ids=inputs["input_ids"]).logits  # (B, T, V)
-        loss, stats = guided_loss(
+        selection = guided_selection(
             logits, inputs["labels"], inputs.get("teacher_loss"), inputs.get("mapped"),
             self.selection, generator=self._generator(logits.device),
         )
+        loss, stats = selection.loss, selection.stats
         if model.training:
             self._accumulate(inputs, stats, loss)
+            self._accumulate_teachers(inputs, selection)
         return (loss, {"logits": logits}) if return_outputs else loss
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
@@ -185,6 +198,7 @@ class GuidedTrainer(Trainer):
                 kept = torch.cat([kept[:1], torch.zeros_like(kept[1:])])
             self._sums = kept if self._sums is None else self._sums + kept
         self._step_sums = self._step_nonfinite = None
+        self._close_teacher_step(skip)
         stop = self.guard.record(step, finite=not skip)
         if skip:
             self._skipped_since_log += 1
@@ -214,6 +228,7 @@ class GuidedTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._sums is not None:  # a training logging step, on every rank
             logs.update(self._selection_metrics())
+            logs.update(self._teacher_log())
             logs.update(nonfinite_steps=len(self.guard.skipped), skipped_steps=self._skipped_since_log)
             self._skipped_since_log = 0
         super().log(logs, start_time)
@@ -242,6 +257,34 @@ class GuidedTrainer(Trainer):
             "sample_first": float(samples[0]),
             "sample_last": float(samples[1]),
         }
+
+    # ---- several teachers (docs/METHOD.md §2.6) ------------------------------------------------
+
+    def _accumulate_teachers(self, inputs, selection) -> None:
+        """Add a micro-batch's per-teacher sums (:class:`TeacherMetrics`) to the current step's."""
+        if self.teacher_metrics is None or "teacher_losses" not in inputs:
+            return
+        sums = self.teacher_metrics.sums(selection.token_loss, selection.valid, selection.selected,
+                                         inputs["teacher_losses"], inputs["teacher_loss"])
+        self._teacher_step_sums = sums if self._teacher_step_sums is None else self._teacher_step_sums + sums
+
+    def _close_teacher_step(self, skip: bool) -> None:
+        """At the end of an optimizer step: its sums count unless the step was skipped."""
+        sums, self._teacher_step_sums = self._teacher_step_sums, None
+        if sums is not None and not skip:
+            self._teacher_sums = sums if self._teacher_sums is None else self._teacher_sums + sums
+
+    def _teacher_log(self) -> dict[str, float]:
+        """The per-teacher metrics since the last log (all ranks' sums)."""
+        if self.teacher_metrics is None:
+            return {}
+        sums = self._teacher_sums
+        if sums is None:
+            sums = torch.zeros(self.teacher_metrics.n_sums, dtype=torch.float64, device=self.args.device)
+        if self.args.world_size > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+        self._teacher_sums = None
+        return self.teacher_metrics.metrics(sums.tolist())
 
     @property
     def tokens_per_step(self) -> int:

@@ -71,8 +71,9 @@ def test_storage_and_student_data_cases_quick(micro_scored, real_tokenizer, tmp_
     from pipeline.lab.bench.student_pipeline import StudentDataBenchConfig
     from pipeline.lab.bench.student_pipeline import run as run_student
 
-    storage = run_storage(StorageBenchConfig(max_shards=2, levels=(3,)), tmp_path, micro_scored)
-    _check_figures(storage, {"storage_default", "storage_compact"})
+    storage = run_storage(StorageBenchConfig(max_shards=2, levels=(3,), object_store_repeats=1), tmp_path, micro_scored)
+    _check_figures(storage, {"storage_default", "storage_compact", "object_store_write", "object_store_read"})
+    assert storage["object_store"]["rows"] == storage["documents"]  # both sides read back every row
     assert {s["kind"] for s in storage["settings"]} == {"current", "schema change"}
     compact = next(s for s in storage["settings"] if s["name"] == "compact")
     assert set(compact["columns_bytes_per_token"]) >= {"doc_id", "text", "token_ids", "starts", "ends", "losses"}
@@ -127,7 +128,7 @@ def test_make_bench_quick_writes_json_and_markdown(tmp_path):
            "fallback_docs=20", "scored_dataset=" + str(tmp_path / "none")]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=1800)
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert set(report["cases"]) == {"alignment", "stage1", "storage", "guided_loss", "student_data", "memory"}
+    assert set(report["cases"]) == {"alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers"}
     for f in report["figures"]:
         assert f["status"] in ("pass", "miss", "info"), f
         assert f["value"] is not None and f["value"] > 0

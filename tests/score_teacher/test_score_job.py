@@ -226,20 +226,3 @@ def test_stage_reports_user_errors_in_one_line(tmp_path):
                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == f"error: teacher.model: no such local file or folder: {tmp_path}/missing"
-
-
-def test_hub_source_reads_through_datasets(micro_teacher, micro_corpus, tmp_path, monkeypatch):
-    """The hub path (datasets.load_dataset, then its Arrow cache files); the builder is the local
-    'parquet' one because no hub can be reached here."""
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-    cfg = job(micro_teacher, [], tmp_path / "out", rows=50)
-    cfg = replace(cfg, corpus=CorpusConfig(name="hub", source="hub", hub_id="parquet",
-                                           files=[str(f) for f in micro_corpus], rows_per_shard=50, limit_docs=120))
-    prepared = prepare(cfg)
-    assert [s.kind for s in prepared.shards] == ["arrow"] * 3 and prepared.identity["corpus"]["n_docs"] == 120
-    from pipeline.score_teacher.corpus import read_shard
-
-    docs = read_shard(prepared.shards[2])
-    assert docs[0].doc_id == "train:100"
-    expected = [t for f in micro_corpus for t in pq.read_table(f).column("text").to_pylist()]
-    assert len(docs) == 20 and [d.text for d in docs] == expected[100:120]

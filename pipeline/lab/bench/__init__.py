@@ -24,6 +24,8 @@ case               what it measures
                    (:mod:`pipeline.lab.bench.student_pipeline`)
 ``memory``         peak RSS at 10x the corpus / at 1x, per stage and for inspection, each run in
                    its own process (:mod:`pipeline.lab.bench.memory`)
+``teachers``       CPU time of the student data pipeline with two teachers / with one, the same
+                   samples (:mod:`pipeline.lab.bench.teachers`)
 =================  ==========================================================================
 
 :mod:`pipeline.lab.bench.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
@@ -33,4 +35,4 @@ accelerate and pyarrow.
 Nothing here is a test: ``tests/lab/test_bench.py`` only runs tiny sizes and checks the report's shape.
 """
 
-CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory")
+CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers")

@@ -14,6 +14,13 @@ written again, shard by shard, with each storage setting:
 
 Per column, the compressed bytes come from the Parquet metadata; ``footer`` is the rest of the
 file (schema, key-value metadata with the dataset identity, page indexes).
+
+The object-store path's cost: the same shards written through ``write_shard`` (with their markers
+and the manifest) and read back through the one reader (footers, then every row group), once into
+a local folder and once into ``s3://`` on moto's S3 server on 127.0.0.1, alternately in one run;
+reported as the ratio of the times. Moto on loopback measures the protocol's overhead (HTTP
+requests, encoding into memory before the PUT, a file system per request), not a real store's
+latency or bandwidth.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import numpy as np
 
 from pipeline.lab.bench.report import figure
 from storage_schemas import dataset_dir
+from storage_schemas import filesystem as sfs
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class StorageBenchConfig:
     max_shards: int = 4
     levels: tuple[int, ...] = (3, 19)  # extra zstd levels tried with compact + bfloat16 (besides the default)
     target: float = 3.0
+    object_store_repeats: int = 3  # write+read rounds on each side for the object-store ratio (median)
 
 
 def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.PathLike | None = None) -> dict:
@@ -45,12 +54,12 @@ def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.
     from pipeline.score_teacher.writer import StorageConfig
     from storage_schemas import read_manifest
 
-    folder = Path(dataset or cfg.dataset)
+    folder = sfs.location(dataset or cfg.dataset)
     manifest = read_manifest(folder)
     entries = manifest["shards"][: cfg.max_shards]
     if not entries:
         raise ValueError(f"{folder}: the manifest lists no finished shard")
-    shards = [(e, _documents(pq.read_table(folder / e["file"]))) for e in entries]
+    shards = [(e, _documents(pq.read_table(str(sfs.child(folder, e["file"]))))) for e in entries]
     tokens = sum(int(sum(len(d.ids) for d in docs)) for _, docs in shards)
     out_root = Path(work_dir) / "storage"
     shutil.rmtree(out_root, ignore_errors=True)
@@ -87,6 +96,8 @@ def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.
     default = by_name["default"]
     others = "; ".join(f"{s['name']}: {s['bytes_per_token']:.2f} (write {s['write_s']:.1f} s)"
                        for s in settings if s is not best and s is not default)
+    result["object_store"] = object_store_cost(shards, manifest, out_root, cfg.object_store_repeats)
+    shutil.rmtree(out_root, ignore_errors=True)
     result["figures"] = [
         figure("storage_default", "storage, default (bytes/teacher token)", default["bytes_per_token"], unit="B",
                note=_columns_note(default, tokens, result) + f"; write {default['write_s']:.1f} s"),
@@ -95,6 +106,7 @@ def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.
                note=f"{best['name']}: " + _columns_note(best, tokens, result) + f"; encodings in the file: "
                + ", ".join(f"{k} {v}" for k, v in best["encodings"].items()) + f"; write {best['write_s']:.1f} s. "
                + f"Other settings: {others}"),
+        *_object_store_figures(result["object_store"]),
     ]
     return result
 
@@ -197,6 +209,81 @@ def _write_without_recomputable(losses: str, shards, out_root: Path, tokens: int
         paths.append(path)
     label = "float16 stored as float16" if losses == "float16" else "bfloat16-rounded float32, byte-stream-split"
     return _record(f"doc_id + text + losses only ({label}; schema change)", "schema change", paths, tokens, seconds)
+
+
+def object_store_cost(shards, manifest: dict, out_root: Path, repeats: int) -> dict:
+    """Seconds to write the shard set (shards, markers, manifest) and to read it back (open with
+    the reader, decode every row group), locally and on moto's S3 server, alternating the sides so
+    the machine's load falls on both; medians over ``repeats`` rounds."""
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        return {"skipped": f"moto is not installed ({exc}); pip install 'moto[server]'"}
+    import statistics
+
+    import pyarrow.fs as pafs
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"], region="us-east-1", access_key="bench",
+                          secret_key="bench", allow_bucket_creation=True).create_dir("bench")
+        times: dict[str, dict[str, list[float]]] = {"local": {"write": [], "read": []}, "s3": {"write": [], "read": []}}
+        for r in range(max(1, repeats)):
+            for side in ("local", "s3"):
+                folder = f"s3://bench/round-{r}" if side == "s3" else out_root / "object-store" / f"round-{r}"
+                write_s, read_s, rows = _write_and_read(folder, shards, manifest)
+                times[side]["write"].append(write_s)
+                times[side]["read"].append(read_s)
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    median = {side: {op: statistics.median(v) for op, v in ops.items()} for side, ops in times.items()}
+    return {"rounds": max(1, repeats), "rows": rows, "seconds": times, "median_s": median,
+            "write_ratio": median["s3"]["write"] / median["local"]["write"],
+            "read_ratio": median["s3"]["read"] / median["local"]["read"]}
+
+
+def _write_and_read(folder, shards, manifest: dict) -> tuple[float, float, int]:
+    from pipeline.score_teacher.job import code_version
+    from pipeline.score_teacher.teacher import ShardResult
+    from pipeline.score_teacher.writer import write_manifest, write_shard
+    from storage_schemas.reader import open_scored_dataset, read_row_group
+
+    if isinstance(folder, Path):
+        folder.mkdir(parents=True)
+    identity = {**manifest["identity"], "corpus": {**manifest["identity"]["corpus"], "n_shards": len(shards)}}
+    version = code_version()
+    t0 = time.perf_counter()
+    done = {}
+    for entry, docs in shards:
+        done[entry["index"]] = write_shard(folder, entry["index"], ShardResult(documents=docs), identity,
+                                           entry.get("source", {}), version)
+    write_manifest(folder, identity, done, n_planned=len(done))
+    t1 = time.perf_counter()
+    dataset = open_scored_dataset([folder], allow_partial=True)
+    rows = sum(read_row_group(s, g).num_rows for s in dataset.shards for g in range(len(s.row_group_rows)))
+    return t1 - t0, time.perf_counter() - t1, rows
+
+
+def _object_store_figures(cost: dict) -> list[dict]:
+    if "skipped" in cost:
+        return [figure("object_store_write", "object store vs local disk, write (time ratio)", None, note=cost["skipped"])]
+    m = cost["median_s"]
+    note = (f"moto's S3 server on 127.0.0.1 vs the local disk, same {cost['rows']} rows, median of {cost['rounds']} "
+            "alternating rounds; {op}: s3 {s3:.3f} s, local {local:.3f} s. Loopback moto measures the protocol's "
+            "overhead, not a real store's latency")
+    return [figure(f"object_store_{op}", f"object store vs local disk, {op} (time ratio)", cost[f"{op}_ratio"], unit="x",
+                   note=note.format(op=op, s3=m["s3"][op], local=m["local"][op])) for op in ("write", "read")]
 
 
 def describe_settings(result: dict) -> str:

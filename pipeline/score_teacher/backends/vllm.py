@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from pipeline.config import ConfigError
 from pipeline.score_teacher.backends.base import ScorerConfig
 
 
@@ -40,14 +41,14 @@ def engine_window(window: int, max_positions: int | None) -> int:
     if max_positions is None:
         return window
     if max_positions < 3:
-        raise ValueError(f"the teacher has {max_positions} positions; the vllm backend needs at least 3")
+        raise ConfigError(f"the teacher has {max_positions} positions; the vllm backend needs at least 3")
     return min(window, max_positions - 1)
 
 
 def engine_args(cfg: ScorerConfig) -> dict:
     """Keyword arguments for ``vllm.LLM``; raises ValueError on settings the engine would refuse."""
     if cfg.max_num_seqs < 1:
-        raise ValueError(f"scorer.max_num_seqs must be >= 1, got {cfg.max_num_seqs}")
+        raise ConfigError(f"scorer.max_num_seqs must be >= 1, got {cfg.max_num_seqs}")
     args = dict(
         model=cfg.model,
         revision=cfg.revision,
@@ -63,7 +64,7 @@ def engine_args(cfg: ScorerConfig) -> dict:
     )
     if cfg.max_num_batched_tokens is not None:  # None: vLLM's default for the GPU it runs on
         if cfg.max_num_batched_tokens < cfg.max_num_seqs:
-            raise ValueError(
+            raise ConfigError(
                 f"scorer.max_num_batched_tokens ({cfg.max_num_batched_tokens}) must be >= scorer.max_num_seqs "
                 f"({cfg.max_num_seqs}); vLLM refuses fewer; null uses vLLM's default")
         args["max_num_batched_tokens"] = cfg.max_num_batched_tokens
