@@ -162,6 +162,7 @@ def main(cfg: DictConfig) -> None:
     from pipeline.lab.repro.diagnose import diagnose_selection
     from pipeline.lab.repro.report import write_report
     from pipeline.lab.repro.runner import run_tasks
+    from pipeline.lab.repro.teachers import write_teachers_report
 
     quiet_libraries()
     check(cfg)
@@ -233,6 +234,10 @@ def main(cfg: DictConfig) -> None:
                           diagnosis=diagnosis)
     for c in record["claims"]:
         print(f"claim {c['claim']}: {c['verdict']:<14} {c['text']}")
+    several = write_teachers_report(results, setup, Path(to_absolute_path(cfg.report_dir)))
+    if several is not None:
+        print(f"several teachers: default loss.combine {several['default_choice']['default']}: "
+              f"{several['default_choice']['reason']} ({Path(cfg.report_dir) / 'teachers.md'})")
     print(f"report: {Path(cfg.report_dir) / 'report.md'} ({setup['seconds'] / 60:.1f} min)")
 
 
