@@ -124,8 +124,8 @@ def write_teachers_report(results: list[dict], setup: dict, out_dir: Path) -> di
         mode_lines.append(f"| {by_mode[m]} - {by_mode[choice['current']]} | {fmt_test(p)} | **{verdict(p)}** |")
     power_text = "(no pilot sd recorded)"
     if pilot:
-        power_text = (f"With the pilot's sd of a paired difference, {pilot['sd']:.4f} bits/byte (guided - cpt, "
-                      f"{power.get('pilot_note', 'the pilot')}), {pilot['n']} seeds detect with power {pilot['power']:.0%} "
+        power_text = (f"With the pilot's sd of a paired difference, {pilot['sd']:.4f} bits/byte (guided - cpt; the "
+                      f"pilot: {power.get('pilot_note', 'not described')}), {pilot['n']} seeds detect with power {pilot['power']:.0%} "
                       f"only a true difference of about {pilot['detectable']:.4f} bits/byte "
                       f"((t(0.975, n-1) + t({pilot['power']}, n-1))·sd/√n); smaller differences mostly read as inconclusive.")
         achieved = [f"{n} - {BASELINE}: sd {p['sd']:.4f}" for n, p in vs_strong.items() if p and p["n"] > 1]
@@ -138,7 +138,9 @@ def write_teachers_report(results: list[dict], setup: dict, out_dir: Path) -> di
         "teacher's scored folders at once, their aligned losses combined per student token by `loss.combine` "
         "(docs/METHOD.md §2.6), each against the strong teacher alone (`guided`), with every other setting of "
         f"`guided`. Seeds {seeds}; {sum(1 for r in results if r['arm'] in combos)} several-teacher runs "
-        f"({train_s / 60:.1f} min of training summed over runs); machine {setup.get('machine', '?')}.", "",
+        f"({train_s / 60:.1f} min of training summed over runs); machine {setup.get('machine', '?')}"
+        + (f"; this launch {setup['seconds'] / 60:.1f} min with {setup.get('runs_read_from_cache', 0)} of "
+           f"{setup.get('runs_planned', '?')} runs read from earlier launches" if "seconds" in setup else "") + ".", "",
         "Fixed before any of these runs: the arms, the seeds (the sweep set, shared with `guided` so that pairs "
         f"form), the weights (0.75, 0.25) and the rule that picks the default below.", "",
         "## The rule", "", RULE, "",
