@@ -3,10 +3,12 @@ teacher's losses combined per student token by each ``loss.combine`` mode, again
 teacher alone (the ``guided`` arm), with the report's paired t rule; and the stated rule that picks
 the default mode. Written to ``teachers.md`` / ``teachers.json`` next to the main report.
 
-The rule for the default, fixed before the runs: a mode replaces the current default only when
-``mode - default`` (seed-paired held-out bits per byte) has a 95% interval wholly below zero; when
-several do, the lowest mean difference wins; otherwise the default stays, and the report says that
-it stays as a prior, not as a result.
+The rule for the default: a mode replaces the current default only when ``mode - default``
+(seed-paired held-out bits per byte) has a 95% interval wholly below zero; when several do, the
+lowest mean difference wins; otherwise the default stays, and the report says that it stays as a
+prior, not as a result. Only modes that work without per-teacher weights can be a default
+(``weighted`` needs weights in the order of ``data.folders``), so ``weighted`` is compared and
+reported but never picked.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pipeline.lab.repro.stats import HOLDS, LEVEL, t_quantile, verdict
 BASELINE = "guided"  # the strong teacher alone
 DEFAULT = "min"  # AlignmentConfig.combine's default when these arms were fixed
 MODES = ("min", "mean", "max", "weighted")
+CANDIDATES = ("min", "mean", "max")  # modes that need no per-teacher weights, so can be a default
 PRIOR = ("`min` takes, per student token, the most confident teacher's loss as the reference, so where one "
          "teacher is clearly better it follows that teacher and a weaker one can only lower the reference where "
          "it is itself confident; the excess loss stays a measure against the best available teacher.")
@@ -53,7 +56,7 @@ def choose_default(arms: dict[str, ArmSummary], by_mode: dict[str, str], current
         for mode, arm in by_mode.items():
             if mode != current:
                 tests[mode] = compare(arms, arm, by_mode[current])
-    better = {m: p for m, p in tests.items() if verdict(p) == HOLDS}
+    better = {m: p for m, p in tests.items() if m in CANDIDATES and verdict(p) == HOLDS}
     if better:
         mode = min(better, key=lambda m: better[m]["mean"])
         reason = (f"`{mode}` beats `{current}` by the rule (mean {better[mode]['mean']:+.4f} bits/byte, 95% CI "
@@ -62,8 +65,8 @@ def choose_default(arms: dict[str, ArmSummary], by_mode: dict[str, str], current
         mode, reason = current, f"no mode was compared with `{current}`; it stays, as a prior: {PRIOR}"
     else:
         mode = current
-        worse = [m for m, p in tests.items() if p is not None and verdict(p) != HOLDS and p["ci"] and p["ci"][0] > 0]
-        reason = (f"no mode beats `{current}` by the rule"
+        worse = [m for m, p in tests.items() if m in CANDIDATES and p is not None and p["ci"] and p["ci"][0] > 0]
+        reason = (f"no mode that needs no weights beats `{current}` by the rule"
                   + (f" ({', '.join(f'`{m}`' for m in worse)} lose to it)" if worse else " (every comparison is inconclusive)")
                   + f", so `{current}` stays"
                   + ("" if worse else f", as a prior, not a result: {PRIOR}"))
@@ -150,8 +153,10 @@ def write_teachers_report(results: list[dict], setup: dict, out_dir: Path) -> di
         "\n".join(table), "",
         "## Against the strong teacher alone", "", "\n".join(strong_lines), "",
         "## The default `loss.combine`", "",
-        f"Rule, fixed before the runs: a mode replaces `{choice['current']}` only when mode - `{choice['current']}` has a "
-        "95% interval wholly below zero; when several do, the lowest mean wins; otherwise it stays.", "",
+        f"Rule: a mode replaces `{choice['current']}` only when mode - `{choice['current']}` has a 95% interval "
+        "wholly below zero; when several do, the lowest mean wins; otherwise it stays. Only "
+        f"{', '.join(f'`{m}`' for m in CANDIDATES)} can be a default: `weighted` needs weights in the order of "
+        "`data.folders`, so it is compared here but never picked.", "",
         "\n".join(mode_lines), "",
         f"**Default: `{choice['default']}`**: {choice['reason']}.", "",
         "## Power", "", power_text, "",
