@@ -24,6 +24,10 @@ BASELINE = "guided"  # the strong teacher alone
 DEFAULT = "min"  # AlignmentConfig.combine's default when these arms were fixed
 MODES = ("min", "mean", "max", "weighted")
 CANDIDATES = ("min", "mean", "max")  # modes that need no per-teacher weights, so can be a default
+PROTOCOL = ("Fixed before any of these runs: the arms, the seeds (the sweep set, shared with `guided` so that pairs "
+            "form), the weights (0.75, 0.25) and the rule below (mode - `min` below zero with 95% confidence; the "
+            "lowest mean among several). Written later, when two of the three seeds had finished: that only modes "
+            "that need no weights can be the default (`weighted` cannot be a default value, as it needs the weights).")
 PRIOR = ("`min` takes, per student token, the most confident teacher's loss as the reference, so where one "
          "teacher is clearly better it follows that teacher and a weaker one can only lower the reference where "
          "it is itself confident; the excess loss stays a measure against the best available teacher.")
@@ -65,11 +69,13 @@ def choose_default(arms: dict[str, ArmSummary], by_mode: dict[str, str], current
         mode, reason = current, f"no mode was compared with `{current}`; it stays, as a prior: {PRIOR}"
     else:
         mode = current
-        worse = [m for m, p in tests.items() if m in CANDIDATES and p is not None and p["ci"] and p["ci"][0] > 0]
-        reason = (f"no mode that needs no weights beats `{current}` by the rule"
-                  + (f" ({', '.join(f'`{m}`' for m in worse)} lose to it)" if worse else " (every comparison is inconclusive)")
-                  + f", so `{current}` stays"
-                  + ("" if worse else f", as a prior, not a result: {PRIOR}"))
+        run = {m: p for m, p in tests.items() if m in CANDIDATES and p is not None}
+        worse = [m for m, p in run.items() if p["ci"] and p["ci"][0] > 0]
+        open_ = [f"`{m}`" for m in run if m not in worse]
+        reason = (f"no mode that needs no weights beats `{current}` by the rule, so `{current}` stays"
+                  + (f"; it beats {', '.join(f'`{m}`' for m in worse)}, a result" if worse else "")
+                  + (f"; against {', '.join(open_)} the comparison is inconclusive, so there it stays as a prior, "
+                     f"not a result: {PRIOR}" if open_ else ""))
     return {"current": current, "default": mode, "changed": mode != current, "reason": reason,
             "tests": {m: p for m, p in tests.items()}}
 
@@ -144,8 +150,7 @@ def write_teachers_report(results: list[dict], setup: dict, out_dir: Path) -> di
         f"({train_s / 60:.1f} min of training summed over runs); machine {setup.get('machine', '?')}"
         + (f"; this launch {setup['seconds'] / 60:.1f} min with {setup.get('runs_read_from_cache', 0)} of "
            f"{setup.get('runs_planned', '?')} runs read from earlier launches" if "seconds" in setup else "") + ".", "",
-        "Fixed before any of these runs: the arms, the seeds (the sweep set, shared with `guided` so that pairs "
-        f"form), the weights (0.75, 0.25) and the rule that picks the default below.", "",
+        PROTOCOL, "",
         "## The rule", "", RULE, "",
         "## Arms", "",
         "Strong's share of the selected tokens and the Jaccard index of the two teachers' own top selections are "
