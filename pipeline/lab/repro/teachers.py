@@ -163,7 +163,7 @@ def write_teachers_report(results: list[dict], setup: dict, out_dir: Path) -> di
         f"{', '.join(f'`{m}`' for m in CANDIDATES)} can be a default: `weighted` needs weights in the order of "
         "`data.folders`, so it is compared here but never picked.", "",
         "\n".join(mode_lines), "",
-        f"**Default: `{choice['default']}`**: {choice['reason']}.", "",
+        f"**Default: `{choice['default']}`**: {choice['reason'].rstrip('.')}.", "",
         "## Power", "", power_text, "",
     ])
     out_dir.mkdir(parents=True, exist_ok=True)
