@@ -72,7 +72,9 @@ def check(cfg: DictConfig) -> None:
 def arm_teachers(arm: DictConfig) -> list[str]:
     """An arm's teachers in order: ``teacher: strong`` or ``teacher: [strong, weak]`` (several
     teachers: their scored folders go to ``data.folders`` in this order, METHOD §2.6)."""
-    teacher = arm.teacher
+    teacher = arm.get("teacher")
+    if teacher is None:
+        return []
     return [str(teacher)] if isinstance(teacher, str) else [str(t) for t in teacher]
 
 

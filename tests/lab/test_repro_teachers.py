@@ -50,13 +50,14 @@ def test_an_arm_of_two_teachers_trains_on_both_folders_in_order(tmp_path):
 
 def test_a_bad_teacher_list_is_refused_with_the_arm_named(tmp_path):
     cfg = _cfg(tmp_path, "arms.teachers_min.teacher=[strong,nobody]", "arms.teachers_max.teacher=[weak,weak]",
-               "arms.teachers_mean.teacher=[]")
+               "arms.teachers_mean.teacher=[]", "arms.teachers_weighted.teacher=null")
     with pytest.raises(ConfigError) as err:
         check(cfg)
     text = str(err.value)
     assert "arms.teachers_min.teacher: 'nobody' is not one of strong, weak" in text
     assert "arms.teachers_max.teacher: ['weak', 'weak'] names a teacher twice" in text
     assert "arms.teachers_mean.teacher: give a teacher name or a list of them" in text
+    assert "arms.teachers_weighted.teacher: give a teacher name or a list of them" in text
 
 
 def _results(offsets: dict[str, list[float]]) -> list[dict]:
