@@ -47,8 +47,14 @@ def check(cfg: DictConfig) -> None:
         problems.append("seed_sets: no arm has a seed to run")
     corpora = {MAIN_CORPUS, *cfg.student_corpora}
     for name, arm in cfg.arms.items():
-        if arm.teacher not in cfg.teachers:
-            problems.append(f"arms.{name}.teacher: {arm.teacher!r} is not one of {', '.join(cfg.teachers)}")
+        names = arm_teachers(arm)
+        if not names:
+            problems.append(f"arms.{name}.teacher: give a teacher name or a list of them")
+        elif len(set(names)) < len(names):
+            problems.append(f"arms.{name}.teacher: {names} names a teacher twice")
+        for teacher in names:
+            if teacher not in cfg.teachers:
+                problems.append(f"arms.{name}.teacher: {teacher!r} is not one of {', '.join(cfg.teachers)}")
         if arm.student not in cfg.students:
             problems.append(f"arms.{name}.student: {arm.student!r} is not one of {', '.join(cfg.students)}")
         if arm.seeds not in cfg.seed_sets:
@@ -61,6 +67,20 @@ def check(cfg: DictConfig) -> None:
     if cfg.train_steps < 1:
         problems.append(f"train_steps: {cfg.train_steps} must be >= 1")
     raise_if(problems)
+
+
+def arm_teachers(arm: DictConfig) -> list[str]:
+    """An arm's teachers in order: ``teacher: strong`` or ``teacher: [strong, weak]`` (several
+    teachers: their scored folders go to ``data.folders`` in this order, METHOD §2.6)."""
+    teacher = arm.get("teacher")
+    if teacher is None:
+        return []
+    return [str(teacher)] if isinstance(teacher, str) else [str(t) for t in teacher]
+
+
+def teacher_label(arm: DictConfig) -> str:
+    """The arm's teacher as results and run names show it: ``strong``, or ``strong+weak``."""
+    return "+".join(arm_teachers(arm))
 
 
 def corpus_name(name: str) -> str:
@@ -108,14 +128,15 @@ def tasks(cfg: DictConfig, scored: dict[tuple[str, str], str], students: dict[st
         overrides = [
             *cfg.train_overrides, *arm.overrides,
             f"student.model={students[arm.student]}", f"student.name={arm.student}", "student.embedded=false",
-            f"data.folders=[{scored[arm.teacher, corpus]}]", f"data.teacher={arm.teacher}", "data.corpus=repro",
+            f"data.folders=[{','.join(scored[t, corpus] for t in arm_teachers(arm))}]",
+            f"data.teacher={teacher_label(arm)}", "data.corpus=repro",
             f"data.seed={seed}", f"train.seed={seed}", f"train.max_steps={cfg.train_steps}",
             f"data.cache_dir={work / 'cache'}", f"output_dir={work / 'students' / arm_name / f'seed{seed}'}",
             "train.report_to=[]", "train.progress=false", f"train.save_steps={10 * cfg.train_steps}",
             "overwrite=true",
         ]
         job = job_config(compose(config_name="train_student", overrides=overrides))
-        out.append(RunTask(arm_name, seed, arm.teacher, arm.student, corpus, noise_share(cfg, corpus), job,
+        out.append(RunTask(arm_name, seed, teacher_label(arm), arm.student, corpus, noise_share(cfg, corpus), job,
                            tuple(held_out), completion_seed=COMPLETION_SEED, n_completions=cfg.eval.completions,
                            window=cfg.eval.window))
     return out
@@ -143,6 +164,7 @@ def main(cfg: DictConfig) -> None:
     from pipeline.lab.repro.diagnose import diagnose_selection
     from pipeline.lab.repro.report import write_report
     from pipeline.lab.repro.runner import run_tasks
+    from pipeline.lab.repro.teachers import write_teachers_report
 
     quiet_libraries()
     check(cfg)
@@ -156,7 +178,7 @@ def main(cfg: DictConfig) -> None:
     used_corpora = {arm.get("corpus", MAIN_CORPUS) for arm in arms.values()}
     corpus_files = {name: corpora.student_files if name == MAIN_CORPUS else
                     build_student_corpus(artifacts, spec, noise_share(cfg, name)) for name in sorted(used_corpora)}
-    used_teachers = sorted({arm.teacher for arm in arms.values()})  # only what the arms need
+    used_teachers = sorted({t for arm in arms.values() for t in arm_teachers(arm)})  # only what the arms need
     used_students = sorted({arm.student for arm in arms.values()})
     teachers = {name: build_teacher(artifacts, TeacherSpec(name=name, **plain(cfg.teachers[name])), corpora)
                 for name in used_teachers}
@@ -164,7 +186,7 @@ def main(cfg: DictConfig) -> None:
     students = {name: build_student(artifacts, StudentSpec(name=name, **plain(cfg.students[name])), corpora, pretrain)
                 for name in used_students}
     build_s = time.perf_counter() - t0
-    pairs = {(arm.teacher, arm.get("corpus", MAIN_CORPUS)) for arm in arms.values()}
+    pairs = {(t, arm.get("corpus", MAIN_CORPUS)) for arm in arms.values() for t in arm_teachers(arm)}
     scored = score(cfg, teachers, pairs, corpus_files)
     score_s = time.perf_counter() - t0 - build_s
 
@@ -214,6 +236,10 @@ def main(cfg: DictConfig) -> None:
                           diagnosis=diagnosis)
     for c in record["claims"]:
         print(f"claim {c['claim']}: {c['verdict']:<14} {c['text']}")
+    several = write_teachers_report(results, setup, Path(to_absolute_path(cfg.report_dir)))
+    if several is not None:
+        print(f"several teachers: default loss.combine {several['default_choice']['default']}: "
+              f"{several['default_choice']['reason']} ({Path(cfg.report_dir) / 'teachers.md'})")
     print(f"report: {Path(cfg.report_dir) / 'report.md'} ({setup['seconds'] / 60:.1f} min)")
 
 

@@ -467,7 +467,10 @@ def plot_arms(arms: dict[str, ArmSummary], order: list[str], path: Path) -> None
 
 def portable(result: dict) -> dict:
     """A run's record without this machine's paths: the scored folder relative to the work folder."""
-    return {**result, "scored_folder": "/".join(Path(result["scored_folder"]).parts[-3:])}
+    out = {**result, "scored_folder": "/".join(Path(result["scored_folder"]).parts[-3:])}
+    if "scored_folders" in result:
+        out["scored_folders"] = ["/".join(Path(f).parts[-3:]) for f in result["scored_folders"]]
+    return out
 
 
 def _json_safe(x):

@@ -74,11 +74,21 @@ def train_and_evaluate(task: RunTask) -> dict:
         "key": task.key(), "arm": task.arm, "seed": task.seed, "teacher": task.teacher, "student": task.student,
         "corpus": task.corpus, "noise_share": task.noise_share, "mode": task.job.selection.mode,
         "ratio": 1.0 if task.job.selection.mode == "cpt" else task.job.selection.ratio,
-        "scored_folder": task.job.data.folders[0], "steps": summary.steps, "tokens_trained": summary.tokens_trained,
+        "scored_folder": task.job.data.folders[0], **several_teachers(task.job), "steps": summary.steps, "tokens_trained": summary.tokens_trained,
         "train_seconds": round(summary.seconds, 1), "last_log": summary.last_log, **scores,
     }
     write_json_atomic(out / RESULT, result)
     return result
+
+
+def several_teachers(job: TrainJobConfig) -> dict:
+    """A several-teacher run's folders (in ``data.folders`` order) and how their losses combine;
+    nothing for a one-folder run, so its result reads as before."""
+    folders = list(job.data.folders)
+    if len(folders) < 2:
+        return {}
+    return {"scored_folders": folders, "combine": job.alignment.combine,
+            "teacher_weights": None if job.alignment.teacher_weights is None else list(job.alignment.teacher_weights)}
 
 
 def _init_worker() -> None:
