@@ -110,33 +110,11 @@ def s3_server():
     (``AWS_ENDPOINT_URL`` included) point at it, so pyarrow, Ray actors started after this fixture
     and child processes all reach it. Yields ``new_bucket()``, which makes an empty bucket and
     returns its ``s3://`` URI."""
-    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     import itertools
 
-    import pyarrow.fs as pafs
+    from pipeline.lab.local_s3 import local_s3_server
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    admin = pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"], region="us-east-1",
-                              access_key="testing", secret_key="testing", allow_bucket_creation=True)
     counter = itertools.count()
-
-    def new_bucket() -> str:
-        name = f"bucket-{next(counter)}"
-        admin.create_dir(name)
-        return f"s3://{name}"
-
-    try:
-        yield new_bucket
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with local_s3_server("testing") as make_bucket:
+        yield lambda: make_bucket(f"bucket-{next(counter)}")

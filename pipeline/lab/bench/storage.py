@@ -216,37 +216,22 @@ def object_store_cost(shards, manifest: dict, out_root: Path, repeats: int) -> d
     the reader, decode every row group), locally and on moto's S3 server, alternating the sides so
     the machine's load falls on both; medians over ``repeats`` rounds."""
     try:
-        from moto.server import ThreadedMotoServer
+        import moto.server  # noqa: F401
     except ImportError as exc:
         return {"skipped": f"moto is not installed ({exc}); pip install 'moto[server]'"}
     import statistics
 
-    import pyarrow.fs as pafs
+    from pipeline.lab.local_s3 import local_s3_server
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        pafs.S3FileSystem(endpoint_override=env["AWS_ENDPOINT_URL"], region="us-east-1", access_key="bench",
-                          secret_key="bench", allow_bucket_creation=True).create_dir("bench")
+    with local_s3_server("bench") as make_bucket:
+        bucket = make_bucket("bench")
         times: dict[str, dict[str, list[float]]] = {"local": {"write": [], "read": []}, "s3": {"write": [], "read": []}}
         for r in range(max(1, repeats)):
             for side in ("local", "s3"):
-                folder = f"s3://bench/round-{r}" if side == "s3" else out_root / "object-store" / f"round-{r}"
+                folder = f"{bucket}/round-{r}" if side == "s3" else out_root / "object-store" / f"round-{r}"
                 write_s, read_s, rows = _write_and_read(folder, shards, manifest)
                 times[side]["write"].append(write_s)
                 times[side]["read"].append(read_s)
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     median = {side: {op: statistics.median(v) for op, v in ops.items()} for side, ops in times.items()}
     return {"rounds": max(1, repeats), "rows": rows, "seconds": times, "median_s": median,
             "write_ratio": median["s3"]["write"] / median["local"]["write"],
