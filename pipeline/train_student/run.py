@@ -432,13 +432,14 @@ def check_token_budget(job: TrainJobConfig, scored, world_size: int, accumulatio
         return  # one pass over whatever the data holds
     # Several teachers: with missing_documents=refuse every teacher holds the same documents, so the
     # largest teacher count bounds the stream; with unmapped the stream is at most their union (the sum).
-    counts = [_recorded_tokens(one) for one in (scored if isinstance(scored, list) else [scored])]
+    teachers = scored if isinstance(scored, list) else [scored]
+    counts = [_recorded_tokens(one) for one in teachers]
     if any(c is None for c in counts):
         log.warning("a manifest records no token count for some shard: the length is checked after the token count")
         return
     pick = max if d.missing_documents == "refuse" else lambda cs: tuple(map(sum, zip(*cs)))
     teacher_tokens, documents = pick(counts)
-    n_shards = sum(len(one.shards) for one in (scored if isinstance(scored, list) else [scored]))
+    n_shards = sum(len(one.shards) for one in teachers)
     per_pass = math.floor(teacher_tokens * d.token_ratio_bound) + 2 * documents  # stream tokens, at most
     bound = max(0, (per_pass * d.epochs - 1) // job.student.seq_len) // samples_per_step
     if asked <= bound:
