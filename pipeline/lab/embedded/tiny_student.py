@@ -10,7 +10,11 @@ So the student's tokenizer is built the way Llama-2 / TinyLlama's is:
   ``<0x00>``..``<0xFF>`` at 3..258, then the learned pieces;
 * a Metaspace pre-tokenizer (``▁`` for spaces, a virtual ``▁`` before the first word, so
   ``▁Let`` has the span ``(0, 3)``) followed by single-digit splitting;
-* BOS added in front of every text (``TemplateProcessing``), no EOS, like Llama.
+* BOS added in front of every text (``TemplateProcessing``), no EOS, like Llama;
+* the learned alphabet chosen here, not by the trainer: the ``limit_alphabet`` most frequent
+  characters of the pre-tokenized words, ties broken by code point. The trainer's own cut sorts
+  a hash map's order with an unstable sort, so on a small corpus where characters tie at the
+  cut, two runs learned different vocabularies (``alphabet`` below).
 
 It is trained on the clean documents of the sample corpus and saved as ``tokenizer.json``, so
 ``AutoTokenizer.from_pretrained`` loads it as a fast tokenizer with offsets. The model is a
@@ -53,10 +57,23 @@ def tiny_student_dir(artifacts: str | os.PathLike, corpus_docs: int, seed: int =
     return Path(artifacts) / f"tiny-student-n{corpus_docs}-s{seed}"
 
 
+def alphabet(texts: Sequence[str], pre_tokenizer, limit: int) -> list[str]:
+    """The ``limit`` most frequent characters of ``texts`` as the trainer counts them (in the
+    pre-tokenizer's words, so spaces appear as ``▁``), most frequent first, ties by code point."""
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    for text in texts:
+        for word, _ in pre_tokenizer.pre_tokenize_str(text):
+            counts.update(word)
+    return sorted(counts, key=lambda c: (-counts[c], ord(c)))[:limit]
+
+
 def train_student_tokenizer(texts: Sequence[str], vocab_size: int, limit_alphabet: int = 150):
     """A SentencePiece-style BPE ``PreTrainedTokenizerFast`` with byte fallback (module docstring)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+    texts = list(texts)  # read twice: the alphabet, then the trainer
     n_learned = vocab_size - len(BYTE_PIECES)
     if n_learned <= len(SPECIALS) + limit_alphabet:
         raise ValueError(f"vocab_size {vocab_size} leaves no room for merges after 256 byte pieces and the alphabet")
@@ -70,7 +87,7 @@ def train_student_tokenizer(texts: Sequence[str], vocab_size: int, limit_alphabe
     learner.pre_tokenizer = pre_tokenizer
     trainer = trainers.BpeTrainer(
         vocab_size=n_learned, special_tokens=list(SPECIALS), limit_alphabet=limit_alphabet,
-        min_frequency=2, show_progress=False,
+        initial_alphabet=alphabet(texts, pre_tokenizer, limit_alphabet), min_frequency=2, show_progress=False,
     )
     learner.train_from_iterator(texts, trainer=trainer)
 
