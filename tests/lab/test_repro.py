@@ -114,10 +114,12 @@ def test_bits_per_byte_matches_the_models_own_loss(digit_first_model):
 
 def test_continuation_losses_of_a_uniform_model_count_tokens(digit_first_model):
     model, tokenizer = digit_first_model  # every predicted token costs ln(V)
-    pairs = [("the answer is", " 3 ."), ("1 + 2 =", " 1 2 3 ."), ("Solution:", " 7")]
+    # the last pair reads "the answer is 12 .": "12" is one token (<unk>) that starts in the prompt
+    # and ends in the continuation, so it is the continuation's (it is predicted after the prompt)
+    pairs = [("the answer is", " 3 ."), ("1 + 2 =", " 1 2 3 ."), ("Solution:", " 7"), ("the answer is 1", "2 .")]
     got = continuation_losses(model, tokenizer, pairs, batch_size=2)
-    assert got == pytest.approx([2 * math.log(len(tokenizer)), 4 * math.log(len(tokenizer)), math.log(len(tokenizer))],
-                                rel=1e-5)
+    v = math.log(len(tokenizer))
+    assert got == pytest.approx([2 * v, 4 * v, v, 2 * v], rel=1e-5)
 
 
 def test_continuation_losses_match_the_models_own_loss(digit_first_model):
