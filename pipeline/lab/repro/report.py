@@ -44,6 +44,10 @@ DESCRIPTIONS = {
     "aggregate_min": "guided, min aggregation",
     "bbpe_guided": "byte-level student: guided",
     "bbpe_cpt": "byte-level student: cpt",
+    "teachers_min": "guided by strong + weak teachers, per token the lower loss",
+    "teachers_mean": "guided by strong + weak teachers, per token their mean loss",
+    "teachers_max": "guided by strong + weak teachers, per token the higher loss",
+    "teachers_weighted": "guided by strong + weak teachers, their losses weighted (loss.teacher_weights)",
 }
 SWEEP_ARM = re.compile(r"^(guided|random)(?:_r(\d+))?$")  # guided, random (40%), guided_r10, random_r80, ...
 NOISE_ARM = re.compile(r"^(guided|cpt)_noise(\d+)$")  # guided_noise0, cpt_noise25, ...
