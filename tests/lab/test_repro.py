@@ -372,6 +372,34 @@ def test_make_repro_end_to_end_small(tmp_path):
     assert f"Partial report: {len(runs) - 1} of the {len(runs)} planned runs" in (tmp_path / "report" / "report.md").read_text()
 
 
+def _figures(report: dict) -> dict:
+    """Every number of a report that a rerun must reproduce (paths and timings left out)."""
+    runs = {(r["arm"], r["seed"]): (r["bits_per_byte"], r["answers"], r["tokens_trained"], r.get("last_log"))
+            for r in report["runs"]}
+    bases = {s: (b["bits_per_byte"], b.get("answers")) for s, b in report["setup"]["base_students"].items()}
+    return {"runs": runs, "bases": bases, "claims": report["claims"], "diagnosis": report["diagnosis"]}
+
+
+@pytest.mark.slow
+def test_make_repro_from_nothing_twice_gives_identical_figures(tmp_path):
+    """Two runs of the small repro, each from nothing in its own folders and process (so every
+    tokenizer, teacher, base student, scored dataset and student is built again): every figure of
+    the report equal. Guards what the cache cannot: a build that differs from one run to the next."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    reports = []
+    for name in ("first", "second"):
+        root = tmp_path / name
+        root.mkdir()
+        readme = root / "README.md"
+        readme.write_text(f"{README_START}\n{README_END}\n")
+        proc = subprocess.run(_small_args(root, readme), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        reports.append(json.loads((root / "report" / "report.json").read_text()))
+    first, second = (_figures(r) for r in reports)
+    assert len(first["runs"]) == 8
+    assert first == second
+
+
 def test_bad_settings_end_with_one_line_each_and_exit_2(tmp_path):
     args = [sys.executable, "-m", "stages.repro", "arms.guided.teacher=nobody", "seed_sets.main=[]",
             "seed_sets.sweep=[]", "arms.cpt.seeds=other", "arms.guided_noise0.corpus=dirty", "student_corpora.noise25=1.5",
