@@ -287,6 +287,7 @@ class PackPlan:
     add_bos: bool
     add_eos: bool
     n_empty: int  # documents left out for having no student token (all epochs)
+    epochs: int = 1  # passes over the documents the stream holds (concatenated)
 
     @property
     def n_tokens(self) -> int:
@@ -353,6 +354,7 @@ def build_plan(lengths: Sequence[np.ndarray], config: PackingConfig, add_bos: bo
     return PackPlan(
         doc_shard=doc_shard[keep], doc_row=doc_row[keep], doc_end=np.cumsum(stream_len),
         seq_len=config.seq_len, add_bos=add_bos, add_eos=config.add_eos, n_empty=int((~keep).sum()),
+        epochs=config.epochs,
     )
 
 

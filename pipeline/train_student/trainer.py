@@ -14,7 +14,8 @@ its checkpoint records.
   sample past the last step.
 * every log adds token-weighted statistics of the selection since the last log (``loss_kept``,
   ``loss_all``, ``kept_fraction``, ``mapped_fraction``, ``teacher_loss_kept``/``_dropped``,
-  ``excess_loss``, ``tokens_per_s``, ``tokens_seen``, ``sample_first``/``sample_last``).
+  ``excess_loss``, ``tokens_per_s``, ``tokens_seen``, ``sample_first``/``sample_last``), and its
+  ``epoch`` is the passes over the scored data (the Trainer's own counts the bounded sampler).
 * with several teachers (docs/METHOD.md §2.6) every log also adds per-teacher metrics
   (:class:`pipeline.train_student.teachers.TeacherMetrics`: ``decided_t<i>``,
   ``mapped_fraction_t<i>``, ``selection_jaccard_t<a>_t<b>``), kept in the section "several
@@ -231,7 +232,28 @@ class GuidedTrainer(Trainer):
             logs.update(self._teacher_log())
             logs.update(nonfinite_steps=len(self.guard.skipped), skipped_steps=self._skipped_since_log)
             self._skipped_since_log = 0
-        super().log(logs, start_time)
+        passes = self._data_passes()
+        if passes is None:
+            super().log(logs, start_time)
+            return
+        # The Trainer writes its state.epoch into every log: the share of the sampler consumed. The
+        # sampler stops at the run's last sample, so that reads 1.0 at the end of any run; log the
+        # passes over the scored data instead, and keep the Trainer's own value for its loop.
+        trainer_epoch, self.state.epoch = self.state.epoch, passes
+        try:
+            super().log(logs, start_time)
+        finally:
+            self.state.epoch = trainer_epoch
+
+    def _data_passes(self) -> float | None:
+        """Passes over the documents so far (``epoch`` in the logs): samples consumed over the
+        samples of one pass. None when the dataset has no packing plan or training has not begun."""
+        plan = getattr(self.train_dataset, "plan", None)
+        if plan is None or self.state.epoch is None or not plan.n_samples:
+            return None
+        length = len(self.train_dataset)
+        sampled = min(getattr(self.train_dataset, "end", length), length)
+        return self.state.epoch * sampled * plan.epochs / plan.n_samples
 
     def _selection_metrics(self) -> dict[str, float]:
         sums, samples = self._sums, self._samples

@@ -87,6 +87,11 @@ def test_trains_logs_checkpoints_and_saves_a_loadable_model(tiny_student, micro_
         assert r["teacher_loss_kept"] < r["teacher_loss_dropped"] or r["excess_loss"] > 0
         assert r["sample_last"] - r["sample_first"] == 7  # 4 sequences x 2 micro-batches, in order
     assert [r["sample_first"] for r in records] == [0, 8, 16, 24]
+    # epoch: passes over the packed data (samples trained over the plan's samples), not the share of
+    # the run's own sampler, which would read 1.0 at the last step of any run
+    n_samples = summary.data["n_samples"]
+    assert n_samples > 32
+    assert [r["epoch"] for r in records] == pytest.approx([(r["sample_last"] + 1) / n_samples for r in records])
     rates = [r["learning_rate"] for r in records]  # warmup from 0, then cosine towards the minimum
     assert rates[0] == 0 and rates[1] == 3e-3 and rates[1] > rates[2] > rates[3] > 3e-4
 
