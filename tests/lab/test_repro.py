@@ -234,7 +234,8 @@ def test_write_report_files_and_readme_section(tmp_path):
     readme.write_text(f"# x\n\nbefore\n{README_START}\nold table\n{README_END}\nafter\n")
     setup = {"finished": "2026-11-21T12:00:00+00:00", "seconds": 60.0, "machine": "test", "seed_sets": {"main": [0, 1, 2, 3]},
              "n_runs": 68, "runs_planned": 70, "train_tokens_per_run": 100,
-             "power": {"pilot_sd": 0.0134, "pilot_seeds": 3, "pilot_note": "test", "delta": 0.01, "power": 0.8}}
+             "power": {"pilot_sd": 0.0134, "pilot_seeds": 3, "pilot_note": "test", "delta": 0.01, "power": 0.8,
+                       "settings_note": "Settings committed first."}}
     results = _results(_all_arms())
     order = list(_all_arms())
     record = write_report(results, order, setup, tmp_path / "out", readme, diagnosis={})
@@ -246,6 +247,7 @@ def test_write_report_files_and_readme_section(tmp_path):
     body = (tmp_path / "out" / "report.md").read_text()
     assert "interval lies wholly on the claimed side of zero" in body and "Partial report: 68 of the 70" in body
     assert "n = 17 seeds" in body  # the power computation: sd 0.0134, delta 0.01, 80%
+    assert "Settings committed first." in body
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
     assert "sweep.png" in text and "**holds**" in text and "Latest run: 2026-11-21" in text

@@ -376,6 +376,8 @@ def power_markdown(setup: dict, arms: dict[str, ArmSummary]) -> str:
                      f"{power['power']:.0%} needs the smallest n with (t(0.975, n-1) + t({power['power']}, n-1))·sd/√n ≤ "
                      f"{power['delta']}: n = {n} seeds. The main comparison was set to "
                      f"{len(setup.get('seed_sets', {}).get('main', []))} seeds.")
+    if power.get("settings_note"):
+        lines.append(power["settings_note"])
     p = compare(arms, "guided", "cpt")
     if p is not None and p["ci"] is not None:
         half = (p["ci"][1] - p["ci"][0]) / 2
