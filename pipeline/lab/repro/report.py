@@ -283,19 +283,21 @@ def sweep_markdown(arms: dict[str, ArmSummary]) -> str:
         return "(no sweep arms were run)"
     guided, random_ = dict(sweep.get("guided", [])), dict(sweep.get("random", []))
     lines = ["| kept ratio | guided bits/byte [95% CI] | random bits/byte [95% CI] | guided - cpt | random - cpt | "
-             "guided - random | seeds |", "|---|---|---|---|---|---|---|"]
+             "guided - random | seeds: guided, random, guided - random |", "|---|---|---|---|---|---|---|"]
     for ratio in sorted(set(guided) | set(random_)):
         g, r = guided.get(ratio), random_.get(ratio)
         gi = _ci_cell(arms[g].interval()) if g else "n/a"
         ri = _ci_cell(arms[r].interval()) if r else "n/a"
         if ratio == 100:
-            lines.append(f"| 100% (cpt) | {gi} | {ri} | 0 | 0 | 0 | {arms['cpt'].interval()['n']} |")
+            n = arms["cpt"].interval()["n"]
+            lines.append(f"| 100% (cpt) | {gi} | {ri} | 0 | 0 | 0 | {n}, {n}, - |")
             continue
         gc = compare(arms, g, "cpt") if g else None
         rc = compare(arms, r, "cpt") if r else None
         gr = compare(arms, g, r) if g and r else None
-        n = max((x["n"] for x in (gc, rc, gr) if x), default=0)
-        lines.append(f"| {ratio}% | {gi} | {ri} | {_diff_cell(gc)} | {_diff_cell(rc)} | {_diff_cell(gr)} | {n} |")
+        ns = ", ".join(str(x) for x in (arms[g].interval()["n"] if g else 0, arms[r].interval()["n"] if r else 0,
+                                        gr["n"] if gr else 0))
+        lines.append(f"| {ratio}% | {gi} | {ri} | {_diff_cell(gc)} | {_diff_cell(rc)} | {_diff_cell(gr)} | {ns} |")
     return "\n".join(lines)
 
 
