@@ -45,7 +45,6 @@ def build_embedded(cfg: DictConfig) -> None:
     if cfg.teacher.get("embedded"):
         b = cfg.teacher.build
         spec = TinyTeacherSpec(vocab_size=b.vocab_size, steps=b.steps, seed=b.seed)
-        log.info("building the tiny teacher (first run only; cached under %s)", artifacts)
         built = ensure_tiny_teacher(artifacts, corpus_docs=b.corpus_docs, seed=b.seed, spec=spec)
         if Path(built).resolve() != Path(to_absolute_path(cfg.teacher.model)).resolve():
             raise ConfigError(f"teacher.model {cfg.teacher.model} is not where the tiny teacher is built ({built})")

@@ -125,6 +125,7 @@ def build_tiny_teacher(
     if stamp_path.is_file() and json.loads(stamp_path.read_text()).get("params") == params:
         return out_dir
 
+    log.info("building the tiny teacher in %s (once; later runs reuse it)", out_dir)
     t0 = time.perf_counter()
     texts = list(train_texts)[: spec.max_train_docs] if spec.max_train_docs else list(train_texts)
     random.Random(spec.seed).shuffle(texts)
