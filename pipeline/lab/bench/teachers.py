@@ -126,7 +126,7 @@ def run(cfg: TeachersBenchConfig, work_dir: str | os.PathLike, tokenizer, datase
     if cfg.cold:
         ratios["cold"] = ratio(samples["two_cold"].cpu, samples["one_cold"].cpu)
     main = ratios["steady"]
-    note = (f"CPU time, {sum(s.rows for s in shards)} docs of {Path(str(dataset or cfg.dataset))}, "
+    note = (f"CPU time, {sum(s.rows for s in shards)} docs of {Path(str(dataset or cfg.dataset)).name}, "
             f"{delivered['1']:,} packed {cfg.student} tokens of {cfg.seq_len}, combine={cfg.combine}, batches of "
             f"{cfg.batch_size} samples, plan built beforehand (spread {main['min']:.2f}-{main['max']:.2f}, ratio of "
             f"minima {main['of_minima']:.2f}, wall {ratios['steady_wall']['median']:.2f})")
