@@ -290,8 +290,9 @@ def profile_parts(fn: Callable[[], object], parts: Mapping[str, tuple[str, str]]
     """Run ``fn`` once under cProfile; the cumulative seconds of named functions and their share.
 
     ``parts`` maps a label to ``(file name ending, function name)``, e.g.
-    ``("align.py", "align_document")``; builtins have file ``"~"``. Shares are of the profiled total
+    ``("train_student/align.py", "align_document")``; builtins have file ``"~"``. Shares are of the profiled total
     (cProfile's per-call overhead inflates small, frequent calls: read shares, not absolutes).
+    A part that matches no profiled call raises ``ValueError`` (a moved file would read as 0%).
     """
     import cProfile
     import pstats
@@ -304,7 +305,9 @@ def profile_parts(fn: Callable[[], object], parts: Mapping[str, tuple[str, str]]
     total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.items())
     out = {"total_s": total, "parts": {}}
     for label, (file_end, name) in parts.items():
-        cumulative = sum(ct for (file, _, func), (_, _, _, ct, _) in stats.items()
-                         if func == name and file.endswith(file_end))
+        found = [ct for (file, _, func), (_, _, _, ct, _) in stats.items() if func == name and file.endswith(file_end)]
+        if not found:  # a moved module or renamed function would otherwise read as 0%
+            raise ValueError(f"profile part {label!r}: no call of {name} in a file ending {file_end!r}")
+        cumulative = sum(found)
         out["parts"][label] = {"cumulative_s": cumulative, "share": cumulative / total if total else None}
     return out

@@ -87,13 +87,13 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
             shutil.rmtree(cache, ignore_errors=True)
 
     breakdown = profile_parts(pipeline, {
-        "tokenize (encode_batch, a request's documents and its read-ahead per call)": ("tokenization.py", "encode_batch"),
+        "tokenize (encode_batch, a request's documents and its read-ahead per call)": ("pipeline/tokenization.py", "encode_batch"),
         "  of which the Rust tokenizer": ("~", "<method 'encode_batch' of 'tokenizers.Tokenizer' objects>"),
         "np.asarray, all callers (offset lists, row values)": ("~", "<built-in method numpy.asarray>"),
-        "align (align_documents)": ("align.py", "align_documents"),
-        "read rows (ShardReader.row)": ("scored_dataset.py", "row"),
-        "_encode (read + tokenize + align + per-document arrays)": ("student_data.py", "_encode"),
-        "__getitems__ (everything but collation)": ("student_data.py", "__getitems__"),
+        "align (align_documents)": ("train_student/align.py", "align_documents"),
+        "read rows (ShardReader.row)": ("storage_schemas/reader.py", "row"),
+        "_encode (read + tokenize + align + per-document arrays)": ("train_student/data.py", "_encode"),
+        "__getitems__ (everything but collation)": ("train_student/data.py", "__getitems__"),
     })
     sides = {"tokenize": tokenize, "pipeline": pipeline}
     if cfg.cold:
