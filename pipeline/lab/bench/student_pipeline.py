@@ -45,12 +45,21 @@ class StudentDataBenchConfig:
     target: float = 0.9
 
 
-def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
-        dataset: str | os.PathLike | None = None) -> dict:
+def read_packed(dataset, batch_size: int) -> int:
+    """Every sample of a packed dataset through a data loader, as training reads it; the tokens delivered."""
     import torch
 
+    from pipeline.train_student.data import collate_packed
+
+    for _ in torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collate_packed):
+        pass
+    return len(dataset) * dataset.plan.seq_len
+
+
+def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
+        dataset: str | os.PathLike | None = None) -> dict:
     from storage_schemas.reader import open_scored_dataset, read_row_group
-    from pipeline.train_student.data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
+    from pipeline.train_student.data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
     from pipeline.tokenization import encode_batch
 
     scored = open_scored_dataset([str(dataset or cfg.dataset)])
@@ -72,9 +81,7 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
     planned = build_student_data(scored, tokenizer, packing, alignment, cache_dir=warm_cache)
 
     def read_all(dataset, key: str) -> None:
-        for _ in torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, collate_fn=collate_packed):
-            pass
-        delivered[key] = len(dataset) * cfg.seq_len
+        delivered[key] = read_packed(dataset, cfg.batch_size)
 
     def pipeline():
         read_all(PackedDataset(planned.scored.shards, planned.plan, tokenizer, planned.alignment), "pipeline")

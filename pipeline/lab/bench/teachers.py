@@ -31,20 +31,15 @@ import numpy as np
 
 from pipeline.lab.bench.measure import interleaved, ratio
 from pipeline.lab.bench.report import figure
-from storage_schemas import dataset_dir
+from pipeline.lab.bench.student_pipeline import StudentDataBenchConfig, read_packed
 
 
 @dataclass(frozen=True)
-class TeachersBenchConfig:
-    dataset: str = str(dataset_dir("outputs/scored", "owm-sample", "tiny"))
-    max_shards: int = 2
-    student: str = "llama-spm"
-    seq_len: int = 2048
+class TeachersBenchConfig(StudentDataBenchConfig):
+    """The student-data case's settings, with the combination and this case's repeats and target."""
+
     combine: str = "min"
     repeats: int = 5
-    warmup: int = 1
-    batch_size: int = 8  # samples per data-loader call: train.micro_batch_size's default
-    cold: bool = True
     target: float = 1.3
 
 
@@ -75,9 +70,7 @@ def write_teacher(source, shards, folder: Path, name: str, reverse: bool) -> Pat
 
 
 def run(cfg: TeachersBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike | None = None) -> dict:
-    import torch
-
-    from pipeline.train_student.data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
+    from pipeline.train_student.data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
     from pipeline.train_student.teachers import open_teachers
     from storage_schemas.reader import open_scored_dataset
 
@@ -94,9 +87,7 @@ def run(cfg: TeachersBenchConfig, work_dir: str | os.PathLike, tokenizer, datase
     delivered: dict[str, int] = {}
 
     def read_all(dataset, key: str) -> None:
-        for _ in torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, collate_fn=collate_packed):
-            pass
-        delivered[key] = len(dataset) * cfg.seq_len
+        delivered[key] = read_packed(dataset, cfg.batch_size)
 
     def steady(n: int):
         data = planned[n]
