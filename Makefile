@@ -55,13 +55,13 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
-# Break the core on purpose (tests/mutation/mutants.toml) and check the default suite notices:
+# Break the core on purpose (mutation/mutants.toml) and check the default suite notices:
 # mutation-results/latest.md. ARGS="--only W1,T1" for some mutants, ARGS=--check to check the table.
 mutation: setup
-	$(PY) tests/mutation/run.py $(ARGS)
+	$(PY) -m mutation $(ARGS)
 
 bench: setup
-	$(PY) -m stages.bench $(ARGS)
+	$(PY) -m benchmarks $(ARGS)
 
 # The GPU paths at full scale (7B teacher scoring, 1.1B training step, data pipeline per core):
 # bench-results/gpu-latest.{json,md}. Needs only torch, transformers, accelerate and pyarrow, so it runs with
@@ -69,7 +69,7 @@ bench: setup
 # (GPU_PYTHON=/path/to/vllm-env/bin/python) to add the vLLM backend. ARGS="--smoke": tiny shapes on CPU.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-bench:
-	$(GPU_PYTHON) -m pipeline.lab.bench.gpu $(ARGS)
+	$(GPU_PYTHON) -m benchmarks.gpu $(ARGS)
 
 # Few-shot chain-of-thought math accuracy of a checkpoint; results side by side
 eval-student: setup
@@ -80,7 +80,7 @@ compare: setup
 
 # The paper's claims at toy scale (stage 1 + stage 2 + evaluation, 3 seeds): repro-results/report.md
 repro: setup
-	$(PY) -m stages.repro $(ARGS)
+	$(PY) -m repro $(ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from pipeline.config import defaults
 from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
-from pipeline.score_teacher.teacher_source import check_teacher_source, convert_to_safetensors
+from pipeline.model_source import check_teacher_source, convert_to_safetensors
 from stages.common import build, exit_on_user_error, plain, quiet_libraries, raise_if, register_defaults
 
 register_defaults("convert_teacher_defaults", {"teacher": defaults(TeacherConfig)})

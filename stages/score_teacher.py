@@ -18,8 +18,8 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
 from pipeline.score_teacher.job import JobSummary, ScoreJobConfig, config_defaults, run_score_job, score_job_config
-from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
-from pipeline.score_teacher.teacher_source import check_teacher_source
+from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
+from pipeline.model_source import check_teacher_source
 from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, register_defaults
 from storage_schemas.filesystem import join
 
@@ -35,8 +35,8 @@ def job_config(cfg: DictConfig) -> ScoreJobConfig:
 
 def build_embedded(cfg: DictConfig) -> None:
     """Build (or find cached) the sample corpus and tiny teacher when the config uses them."""
-    from pipeline.lab.embedded import ensure_sample_corpus, ensure_tiny_teacher
-    from pipeline.lab.embedded.tiny_teacher import TinyTeacherSpec
+    from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
+    from pipeline.embedded.tiny_teacher import TinyTeacherSpec
 
     artifacts = to_absolute_path(cfg.artifacts_dir)
     if cfg.data.get("embedded"):

@@ -39,7 +39,7 @@ def build_embedded(cfg: DictConfig) -> None:
         return
     from filelock import FileLock
 
-    from pipeline.lab.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
+    from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
 
     b = cfg.student.build
     artifacts = to_absolute_path(cfg.artifacts_dir)

@@ -11,7 +11,7 @@ past the first token, and the first token's loss disagreeing with whether a BOS 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +22,17 @@ from storage_schemas.schema import LIST_COLUMNS
 ERROR = "error"
 WARNING = "warning"
 NEGATIVE_LOSS_TOLERANCE = -1e-4  # -log p >= 0; allow float rounding just below zero
+
+
+def list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+    """One list column from per-row NumPy arrays (the inverse of :func:`list_column_values`)."""
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array(values.astype(value_type.to_pandas_dtype(), copy=False), value_type)
+    )
 
 
 @dataclass(frozen=True)

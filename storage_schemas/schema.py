@@ -48,6 +48,13 @@ META_SHARD = "vocagno.shard"  # this shard's index and source range
 META_CODE_VERSION = "vocagno.code_version"
 META_KEYS = (META_SCHEMA_VERSION, META_IDENTITY, META_SHARD, META_CODE_VERSION)
 
+# Why a document is left out or remarked on, counted per shard in the manifest (``reasons``): the
+# SKIP_REASONS are not stored (their ids are listed), the ZERO_TOKEN_REASONS are stored with zero
+# tokens, the NOTE_REASONS are stored and scored as they are.
+SKIP_REASONS = ("null_text", "invalid_utf8", "invalid_json", "invalid_text", "lone_surrogate", "tokenizer_error")
+ZERO_TOKEN_REASONS = ("empty_text", "whitespace_only")
+NOTE_REASONS = ("contains_nul",)
+
 
 class ContractError(ValueError):
     """A file or folder that breaks the scored-dataset contract."""

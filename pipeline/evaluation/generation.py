@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 
 from pipeline.config import ConfigError
 from pipeline.evaluation.tasks import cut_at_stop
+from pipeline.model_source import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ class HFGenerator:
     def __init__(self, cfg: GenerationConfig):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from pipeline.score_teacher.backends.hf import resolve_device
 
         self.cfg = cfg
         self.device = resolve_device(cfg.device)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, MissingPathError
 from pipeline.evaluation.generation import GenerationConfig, Generator, make_generator
-from pipeline.identity import WEIGHT_SUFFIXES, digest_files
+from pipeline.provenance import WEIGHT_SUFFIXES, code_version, digest_files
 from pipeline.evaluation.tasks import (
     TASKS,
     Exemplar,
@@ -134,7 +134,7 @@ def run_evaluation(job: EvalJobConfig, generator: Generator | None = None) -> di
         "tasks": results,
         "truncated_prompts": generator.truncated_prompts,
         "seconds": round(time.perf_counter() - t0, 2),
-        "code_version": _code_version(),
+        "code_version": code_version(),
     }
     write_outputs(Path(job.output_dir), record, samples)
     return record
@@ -217,9 +217,4 @@ def checkpoint_identity(model: str, revision: str | None = None) -> dict:
     return {"kind": "local", "path": str(folder.resolve()), "config_sha256": file_sha256(config),
             "weights_sha256": digest_files(weights), "tokenizer_sha256": digest_files(tokenizer) if tokenizer else None}
 
-
-def _code_version() -> str:
-    from pipeline.score_teacher.job import code_version
-
-    return code_version()
 

@@ -12,6 +12,6 @@ Modules, in the order a user meets them:
 * :mod:`~pipeline.inspection.vocab_overlap`: raw and normalised vocabulary overlap;
 * :mod:`~pipeline.inspection.align_report`: how a student tokenizer aligns with the teacher tokens;
 * :mod:`~pipeline.inspection.html` and :mod:`~pipeline.inspection.plots`: pictures
-  (:mod:`~pipeline.inspection.layout`: the loss colour scale and text pieces they share);
+  (:mod:`~pipeline.inspection.pieces`: the loss colour scale and text pieces they share);
 * :mod:`~pipeline.inspection.terminal`: rich tables and coloured text for the terminal.
 """

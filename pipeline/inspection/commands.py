@@ -21,7 +21,7 @@ Commands (``command=``):
 * ``plots``, ``path=<dataset> [student=S]``: PNG loss histogram; with a student also the mapped
   share, teacher tokens per student token and chunk-level IoU/IoS against the chunk count.
 * ``card``, ``path=<dataset>``: (re)writes the dataset card ``README.md`` in the dataset folder
-  itself (:mod:`pipeline.score_teacher.card`; stage 1 writes it at the end of every run).
+  itself (:mod:`pipeline.dataset_card`; stage 1 writes it at the end of every run).
 * ``two-teachers``, ``path=<dataset> other=<dataset> student=S``: the same corpus scored by two
   teachers, aligned to one student: correlation of the aligned losses and the share of tokens where
   the teachers' top-``two_teachers.ratio`` selections disagree (:mod:`pipeline.inspection.two_teachers`).
@@ -43,7 +43,7 @@ from typing import Callable
 from rich.console import Console
 from rich.markup import escape
 
-from pipeline.train_student.align import AGGREGATIONS
+from pipeline.alignment import AGGREGATIONS
 from storage_schemas import filesystem as sfs
 
 Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute (the stage passes Hydra's)
@@ -177,7 +177,7 @@ class Context:
         return self._summary
 
     def loss_scale(self):
-        from pipeline.inspection.layout import LossScale
+        from pipeline.inspection.pieces import LossScale
 
         return LossScale.from_quantile_function(self.summary().histogram.quantile)
 
@@ -342,7 +342,7 @@ def cmd_plots(ctx: Context) -> int:
 
 
 def cmd_card(ctx: Context) -> int:
-    from pipeline.score_teacher.card import write_card
+    from pipeline.dataset_card import write_card
     from storage_schemas import filesystem
 
     folder = ctx.cfg.path if filesystem.is_remote(ctx.cfg.path) else ctx.path

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from storage_schemas.reader import DocumentRecord
-from pipeline.inspection.layout import PALETTE, LossScale, cut_pieces
+from pipeline.inspection.pieces import PALETTE, LossScale, cut_pieces
 from pipeline.tokenization import Encoding
 
 CSS = """

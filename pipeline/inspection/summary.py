@@ -30,60 +30,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from pipeline.score_teacher.teacher import SKIP_REASONS, ZERO_TOKEN_REASONS
+from pipeline.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram, loss_histogram_query, merge_bins
+from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset
 
 ENGINE = "streaming"  # polars' streaming engine: bounded memory for scans, explodes and group-bys
 
 DEFAULT_QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
-DEFAULT_BIN_WIDTH = 1.0 / 128  # a power of two: bin edges are exact in float32
-
-
-# --------------------------------------------------------------------------------------------
-# Loss histogram
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LossHistogram:
-    """Counts of finite losses per bin ``[k w, (k+1) w)``; ``bins`` are the integers ``k``."""
-
-    bin_width: float
-    bins: np.ndarray  # (B,) int64, sorted
-    counts: np.ndarray  # (B,) int64
-    lowest: float  # exact min and max of the values counted
-    highest: float
-
-    @property
-    def total(self) -> int:
-        return int(self.counts.sum())
-
-    def quantile(self, q: float) -> float:
-        """The ``q`` quantile (numpy's "linear" rank ``q (n-1)``), exact to within one bin."""
-        if self.total == 0:
-            return float("nan")
-        rank = q * (self.total - 1)
-        cum = np.cumsum(self.counts)  # (B,)
-        b = int(np.searchsorted(cum, rank, side="right"))
-        before = cum[b - 1] if b > 0 else 0
-        inside = (rank - before + 0.5) / self.counts[b]  # position inside the bin, in (0, 1)
-        value = (self.bins[b] + inside) * self.bin_width
-        return float(min(max(value, self.lowest), self.highest))
-
-    def edges(self) -> np.ndarray:
-        """(B+1,) bin edges of a dense histogram from the lowest to the highest bin."""
-        if self.bins.size == 0:
-            return np.zeros(1)
-        return np.arange(self.bins[0], self.bins[-1] + 2) * self.bin_width
-
-    def dense_counts(self) -> np.ndarray:
-        """(B,) counts of the dense histogram of :meth:`edges` (empty bins as zeros)."""
-        if self.bins.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        dense = np.zeros(int(self.bins[-1] - self.bins[0] + 1), dtype=np.int64)
-        dense[self.bins - self.bins[0]] = self.counts
-        return dense
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,17 +125,6 @@ def per_document_stats(frame: pl.LazyFrame) -> pl.LazyFrame:
     )
 
 
-def loss_histogram_query(frame: pl.LazyFrame, bin_width: float = DEFAULT_BIN_WIDTH) -> pl.LazyFrame:
-    """Finite losses exploded and counted per bin ``floor(loss / bin_width)`` (bounded groups)."""
-    return (
-        frame.select(pl.col("losses").explode().cast(pl.Float64))
-        .filter(pl.col("losses").is_finite())
-        .group_by(bin=(pl.col("losses") / bin_width).floor().cast(pl.Int64))
-        .agg(count=pl.len(), lowest=pl.col("losses").min(), highest=pl.col("losses").max())
-        .sort("bin")
-    )
-
-
 def _per_shard_query(stats: pl.LazyFrame) -> pl.LazyFrame:
     return stats.group_by("file").agg(
         documents=pl.len().cast(pl.Int64),
@@ -202,18 +145,6 @@ def _extremes(stats: pl.LazyFrame, top_k: int, min_tokens: int) -> tuple[pl.Lazy
     return highest, lowest
 
 
-def _histogram_from(frame: pl.DataFrame, bin_width: float) -> LossHistogram:
-    if frame.height == 0:
-        return LossHistogram(bin_width, np.zeros(0, np.int64), np.zeros(0, np.int64), float("nan"), float("nan"))
-    return LossHistogram(
-        bin_width=bin_width,
-        bins=frame["bin"].to_numpy().astype(np.int64),
-        counts=frame["count"].to_numpy().astype(np.int64),
-        lowest=float(frame["lowest"].min()),
-        highest=float(frame["highest"].max()),
-    )
-
-
 def _by_reason(reasons: dict[str, int], group: tuple[str, ...]) -> dict[str, int]:
     return {k: int(v) for k, v in sorted(reasons.items()) if k in group}
 
@@ -228,9 +159,7 @@ def _merge(running: Partial | None, new: Partial, top_k: int) -> Partial:
     (highest, lowest, hist), (hi, lo, h) = running, new
     highest = pl.concat([highest, hi]).top_k(top_k, by="mean_loss")
     lowest = pl.concat([lowest, lo]).bottom_k(top_k, by="mean_loss")
-    hist = pl.concat([hist, h]).group_by("bin").agg(
-        count=pl.col("count").sum(), lowest=pl.col("lowest").min(), highest=pl.col("highest").max()
-    )
+    hist = merge_bins(hist, h)
     return highest, lowest, hist
 
 
@@ -254,7 +183,7 @@ def summarize(
         running = _merge(running, (hi, lo, h), top_k)
     highest, lowest, hist = running
     shards = _shard_table(dataset, pl.concat(shards))
-    histogram = _histogram_from(hist.sort("bin"), bin_width)
+    histogram = LossHistogram.from_bins(hist, bin_width)
     total = {c: int(shards[c].sum()) for c in ("documents", "empty_documents", "tokens", "nan", "inf", "finite")}
     loss_sum = float(shards["loss_sum"].sum() or 0.0)
     reasons = (dataset.manifest.get("totals") or {}).get("reasons", {})

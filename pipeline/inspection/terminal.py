@@ -10,7 +10,7 @@ from rich.text import Text
 
 from pipeline.inspection.align_report import AlignReport
 from storage_schemas.reader import DocumentRecord
-from pipeline.inspection.layout import LossScale, cut_pieces
+from pipeline.inspection.pieces import LossScale, cut_pieces
 from pipeline.inspection.summary import DatasetSummary
 from pipeline.inspection.validate import ValidationReport
 from pipeline.inspection.vocab_overlap import VocabOverlap

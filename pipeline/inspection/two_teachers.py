@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from pipeline.train_student.align import align_documents
+from pipeline.alignment import align_documents
 from pipeline.tokenization import encode_batch
 from storage_schemas.reader import ScoredDataset
 

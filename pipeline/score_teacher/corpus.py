@@ -416,7 +416,7 @@ def source_digests(sources: list[SourceFile]) -> list[str]:
             return src.sha256
         if _is_remote(src.path):
             return remote_sha256_cached(src.path)
-        from pipeline.identity import file_sha256_cached
+        from pipeline.provenance import file_sha256_cached
 
         return file_sha256_cached(src.path)
 
@@ -431,7 +431,7 @@ def remote_sha256_cached(location: str) -> str:
     version tag: the ETag (S3; any overwrite gives a new one) or the modification time where the
     store gives no ETag; an ``hf://`` location is pinned to a commit, so its URI and size suffice.
     An object with no such tag is hashed on every call."""
-    from pipeline.identity import digest_cache_dir
+    from pipeline.provenance import digest_cache_dir
 
     fs, path = open_location(location)
     try:

@@ -8,7 +8,7 @@ is redone whole (``max_restarts``/``max_task_retries``). Each actor writes its s
 itself, so a shard is complete on disk before the driver hears of it.
 
 The dataset's identity (what the teacher, tokenizer, windows and corpus *are*: digests and hub ids,
-:mod:`pipeline.identity`) is compared on every rerun; where they were found is written to the
+:mod:`pipeline.provenance`) is compared on every rerun; where they were found is written to the
 manifest's ``location`` and never compared, so a moved or copied project resumes where it stopped.
 """
 
@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
-from pipeline import __version__
 from pipeline.config import ConfigError, MissingPathError, build, defaults, raise_if
 from pipeline.score_teacher.corpus import (
     CorpusConfig,
@@ -37,9 +35,9 @@ from pipeline.score_teacher.corpus import (
     read_shard,
     resolve_sources,
 )
-from pipeline.identity import is_local_model, model_identity
+from pipeline.provenance import code_version, is_local_model, model_identity
 from pipeline.score_teacher.backends.base import ScorerConfig
-from pipeline.score_teacher.card import write_card_or_warn
+from pipeline.dataset_card import write_card_or_warn
 from pipeline.score_teacher.faults import FAULTS_ENV, inject_fault
 from pipeline.score_teacher.pool import (
     PoolConfig,
@@ -64,8 +62,9 @@ from pipeline.score_teacher.writer import (
     write_manifest,
     write_shard,
 )
-from pipeline.score_teacher.teacher import SKIP_REASONS, WindowSettings
-from pipeline.score_teacher.teacher_source import looks_local
+from pipeline.score_teacher.teacher import WindowSettings, score_documents
+from storage_schemas import SKIP_REASONS
+from pipeline.model_source import looks_local
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT
 from storage_schemas import filesystem as sfs
@@ -213,19 +212,6 @@ class JobSummary:
         return self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
 
 
-def code_version() -> str:
-    """The package version, plus the git commit when running from a checkout."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return f"{__version__}+g{commit}" if commit else __version__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,9 +330,9 @@ class ShardScorer:
     each shard's marker which node scored it and on which try."""
 
     def __init__(self, prepared: Prepared, teacher: TeacherConfig, cfg: ScoreJobConfig, version: str):
-        import torch
+        import torch  # the actor's own imports: the driver never loads a model
 
-        from pipeline.score_teacher.backends.base import make_scorer
+        from pipeline.score_teacher.backends.factory import make_scorer
 
         if cfg.pool.num_gpus == 0:
             torch.set_num_threads(max(1, int(cfg.pool.num_cpus)))
@@ -360,8 +346,6 @@ class ShardScorer:
         self.scorer = make_scorer(prepared.scorer)
 
     def score_shard(self, spec: ShardSpec, attempt: int = 1) -> dict:
-        from pipeline.score_teacher.teacher import score_documents
-
         t0 = time.perf_counter()
         try:
             inject_fault(spec.index)

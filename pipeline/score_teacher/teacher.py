@@ -19,13 +19,10 @@ from pipeline.score_teacher.corpus import Document
 from pipeline.score_teacher.backends.base import WindowScorer
 from pipeline.tokenization import Encoding, encode_batch
 from pipeline.score_teacher.windows import plan_windows, stitch
+from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas.reader import ScoredDocument  # stage 1 builds the contract's rows
 
 log = logging.getLogger(__name__)
-
-SKIP_REASONS = ("null_text", "invalid_utf8", "invalid_json", "invalid_text", "lone_surrogate", "tokenizer_error")
-ZERO_TOKEN_REASONS = ("empty_text", "whitespace_only")
-NOTE_REASONS = ("contains_nul",)
 
 
 @dataclass

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from pipeline.config import UserError, check_choice, refuse
 from pipeline.folder_lock import LOCK_NAME
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
+from storage_schemas.rows import list_array
 from storage_schemas import (
     CARD_NAME,
     IDENTITY_FORMAT,
@@ -127,16 +128,6 @@ def _parquet_options(storage: StorageConfig) -> dict:
     elif storage.encodings != "default":
         raise ValueError(f"unknown encodings {storage.encodings!r}; choose default or compact")
     return options
-
-
-def list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
-    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate(arrays) if arrays else np.zeros(0)
-    return pa.ListArray.from_arrays(
-        pa.array(offsets, pa.int32()), pa.array(values.astype(value_type.to_pandas_dtype(), copy=False), value_type)
-    )
 
 
 def documents_table(docs: Sequence[ScoredDocument], schema: pa.Schema = ROW_SCHEMA) -> pa.Table:

@@ -10,7 +10,7 @@ A checkpoint without its completion marker was being written when the process di
 resumed from and is deleted when the folder is prepared. A resume is refused when the recipe or
 the data identity differs from the checkpoint's, so a resumed run sees exactly the batches the
 interrupted one would have seen. Both are compared by content, not location: the student by its
-digests or hub id (:func:`pipeline.identity.model_identity`), the scored data by identity and shard
+digests or hub id (:func:`pipeline.provenance.model_identity`), the scored data by identity and shard
 sha256 (:func:`storage_schemas.reader.data_identity_differences`), so a moved project resumes.
 """
 

@@ -31,13 +31,13 @@ How it is built
 4. **Alignment** (:class:`PackedDataset`, in data-loader workers): the documents of a batch of
    samples, and of the samples the worker will be asked for next, are tokenized with offsets in
    one call (:func:`pipeline.tokenization.encode_batch`, special-token strings stay text), aligned
-   to the teacher's spans in one call (:func:`pipeline.train_student.align.align_documents`), cached and sliced. Each
+   to the teacher's spans in one call (:func:`pipeline.alignment.align_documents`), cached and sliced. Each
    position carries its target id, ``teacher_loss`` (the aggregated ``L_t`` of the target, NaN
    where unmapped) and ``mapped``. BOS/EOS are unmapped; so is every token of a document the
    teacher stored with zero tokens (whitespace-only texts): such documents are trained as unmapped.
 
 Several teachers (METHOD 2.6): :func:`build_student_data` takes one scored dataset per teacher,
-matches their documents (:func:`pipeline.train_student.teachers.match_teachers`), plans the stream
+matches their documents (:func:`pipeline.train_student.several_teachers.match_teachers`), plans the stream
 of the matched documents, and each worker aligns every document to each teacher separately and
 combines the losses per student token; each position then also carries every teacher's ``L_t``
 (``teacher_losses``, (L, T)) for the per-teacher metrics. With one teacher nothing of this runs.
@@ -64,8 +64,8 @@ import numpy as np
 import torch
 
 from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
-from pipeline.train_student.align import AGGREGATIONS, DocumentAlignment, align_document, align_documents
-from pipeline.train_student.teachers import COMBINATIONS, TeacherMatch, combine_losses, file_name
+from pipeline.alignment import AGGREGATIONS, DocumentAlignment, align_document, align_documents
+from pipeline.train_student.several_teachers import COMBINATIONS, TeacherMatch, combine_losses, file_name
 from storage_schemas.reader import BadShardError, ScoredDataset, ShardInfo, ShardReader, read_row_group
 from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
 
@@ -375,7 +375,7 @@ class StudentDocument:
 @dataclass(frozen=True)
 class TeacherSources:
     """What a worker needs to align each document to several teachers and combine (§2.6): where
-    each stream document is in every teacher's shards (:class:`pipeline.train_student.teachers.TeacherMatch`),
+    each stream document is in every teacher's shards (:class:`pipeline.train_student.several_teachers.TeacherMatch`),
     each teacher's resolved alignment and the combination."""
 
     shards: list[ShardInfo]  # the stream's shards first, then every other teacher shard
@@ -407,7 +407,7 @@ class PackedDataset(torch.utils.data.Dataset):
     opens its own :class:`ShardReader` and keeps its own cache of aligned documents.
 
     Documents are tokenized and aligned many at a time: one ``encode_batch`` call and one
-    :func:`pipeline.train_student.align.align_documents` call for every document a request needs that is not
+    :func:`pipeline.alignment.align_documents` call for every document a request needs that is not
     cached, where a request is a whole batch of samples (a data loader hands a worker its batch
     at once, :meth:`__getitems__`) or one sample. On a cache miss a request also reads ahead, up to
     ``readahead_tokens`` stream tokens, the documents of the samples this worker is expected to
@@ -700,7 +700,7 @@ def build_student_data(
 ) -> StudentData:
     """Measure, plan and wrap a scored dataset as packed samples for one student tokenizer.
 
-    ``scored`` is one teacher's dataset, or one per teacher (:func:`pipeline.train_student.teachers.open_teachers`):
+    ``scored`` is one teacher's dataset, or one per teacher (:func:`pipeline.train_student.several_teachers.open_teachers`):
     several are matched document by document and combined per ``alignment.combine`` (§2.6)."""
     if not isinstance(scored, ScoredDataset):
         if len(scored) > 1:
@@ -718,7 +718,7 @@ def _build_several(datasets: list[ScoredDataset], tokenizer, packing: PackingCon
                    cache_dir, num_proc: int, on_bad_shard: str, missing_documents: str) -> StudentData:
     """:func:`build_student_data` for several teachers: match, then measure and plan the stream
     (rows of a later teacher's shard that an earlier teacher holds are left out)."""
-    from pipeline.train_student.teachers import match_teachers, teacher_names
+    from pipeline.train_student.several_teachers import match_teachers, teacher_names
 
     if alignment.combine == "weighted" and len(alignment.teacher_weights) != len(datasets):
         raise ConfigError(f"loss.teacher_weights has {len(alignment.teacher_weights)} weight(s) for {len(datasets)} "

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Mapping
 
 from pipeline.config import ConfigError, build, check_at_least, check_choice, defaults, raise_if
-from pipeline.identity import model_identity
-from pipeline.score_teacher.teacher_source import looks_local
+from pipeline.provenance import model_identity
+from pipeline.model_source import looks_local
 from pipeline.folder_lock import exclusive_writer
 from pipeline.tokenization import fingerprint, load_tokenizer
 from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchError: the run's refusal)
@@ -44,7 +44,7 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
 )
 from pipeline.train_student.data import AlignmentConfig, PackingConfig, StudentData, build_student_data
 from pipeline.train_student.guided_loss import SelectionConfig
-from pipeline.train_student.teachers import MISSING_RULES, open_teachers
+from pipeline.train_student.several_teachers import MISSING_RULES, open_teachers
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
@@ -614,7 +614,7 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
 
 def _teacher_metrics(job: TrainJobConfig, data: StudentData):
     """Per-teacher metrics of a several-teacher run (None with one teacher)."""
-    from pipeline.train_student.teachers import TeacherMetrics
+    from pipeline.train_student.several_teachers import TeacherMetrics
 
     sources = data.dataset.teachers
     return None if sources is None else TeacherMetrics(sources.names, sources.combine, sources.weights, job.selection)

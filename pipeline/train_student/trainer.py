@@ -17,7 +17,7 @@ its checkpoint records.
   ``excess_loss``, ``tokens_per_s``, ``tokens_seen``, ``sample_first``/``sample_last``), and its
   ``epoch`` is the passes over the scored data (the Trainer's own counts the bounded sampler).
 * with several teachers (docs/METHOD.md §2.6) every log also adds per-teacher metrics
-  (:class:`pipeline.train_student.teachers.TeacherMetrics`: ``decided_t<i>``,
+  (:class:`pipeline.train_student.several_teachers.TeacherMetrics`: ``decided_t<i>``,
   ``mapped_fraction_t<i>``, ``selection_jaccard_t<a>_t<b>``), kept in the section "several
   teachers" below; a skipped step's sums are dropped, as for the other metrics.
 * a step whose loss (any micro-batch, any rank) or gradient is not finite is skipped whole: the
@@ -47,7 +47,7 @@ from transformers import Trainer, TrainerCallback
 from pipeline.config import UserError
 from pipeline.train_student.checkpoints import mark_complete
 from pipeline.train_student.guided_loss import SelectionConfig, guided_selection
-from pipeline.train_student.teachers import TeacherMetrics
+from pipeline.train_student.several_teachers import TeacherMetrics
 
 log = logging.getLogger(__name__)
 

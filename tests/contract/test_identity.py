@@ -104,7 +104,7 @@ def test_changed_teacher_is_still_refused(project, tmp_path):
 
 
 def test_digest_cache_is_keyed_on_the_files_state(tmp_path, monkeypatch):
-    from pipeline import identity
+    from pipeline import provenance as identity
 
     monkeypatch.setenv("VOCAGNO_CACHE", str(tmp_path / "cache"))
     entries = tmp_path / "cache" / "file-sha256"
@@ -225,8 +225,8 @@ def test_old_manifest_is_refused_with_the_migration_command_then_adopted(moved_m
 
 
 def test_training_resumes_after_the_project_folder_moves(micro_scored, micro_teacher, micro_corpus, ray_local, tmp_path):
-    from pipeline.lab.embedded.sample_corpus import clean_texts
-    from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
     from pipeline.train_student.run import (
         DataConfig,
         RunMismatchError,

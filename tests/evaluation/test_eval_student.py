@@ -183,8 +183,8 @@ def test_prompts_longer_than_the_context_keep_their_end(task_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_student(micro_corpus, tmp_path_factory) -> Path:
-    from pipeline.lab.embedded.sample_corpus import clean_texts
-    from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
 
     spec = TinyStudentSpec(vocab_size=400, limit_alphabet=100, hidden_size=32, intermediate_size=64, num_layers=1,
                            num_heads=2, num_kv_heads=1, context=256, seed=5)

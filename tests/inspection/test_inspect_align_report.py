@@ -134,7 +134,7 @@ def test_identical_tokenizers_align_one_to_one_and_chunks_do_not(micro_corpus, r
     """Teacher = student (Mistral), every loss finite: token-level IoS and IoU are 1, every token is
     mapped; chunks keep IoS at 1 (each token starts in the chunk of its twin) but their IoU grows
     with the chunk count and stays below the token level's (the ablation of docs/METHOD.md §2.3)."""
-    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.sample_corpus import clean_texts
     from pipeline.score_teacher.writer import write_manifest, write_shard
     from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
     from pipeline.tokenization import encode_batch

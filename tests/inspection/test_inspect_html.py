@@ -12,7 +12,7 @@ import pytest
 from pipeline.inspection.align_report import align_record
 from storage_schemas.reader import DocumentRecord
 from pipeline.inspection.html import StudentView, document_section, page
-from pipeline.inspection.layout import PALETTE, LossScale, cut_pieces
+from pipeline.inspection.pieces import PALETTE, LossScale, cut_pieces
 from pipeline.tokenization import encode
 
 HOSTILE = ('<script>alert("x")</script> & <b>bold</b> "quotes" \'single\' </div></span>\n'

@@ -118,7 +118,7 @@ def test_terminal_output_never_reads_data_as_markup():
     import numpy as np
 
     from storage_schemas.reader import DocumentRecord
-    from pipeline.inspection.layout import LossScale
+    from pipeline.inspection.pieces import LossScale
     from pipeline.inspection.terminal import document_table, document_text
 
     text = "x [/math] [bold] [/] y"

@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from storage_schemas.reader import DocumentNotFoundError, ScoredDataset
-from pipeline.inspection.summary import LossHistogram, summarize
-from pipeline.score_teacher.teacher import SKIP_REASONS
+from pipeline.inspection.summary import summarize
+from pipeline.loss_histogram import LossHistogram
+from storage_schemas import SKIP_REASONS
 from storage_schemas import read_manifest
 
 

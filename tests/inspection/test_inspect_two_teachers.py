@@ -46,7 +46,7 @@ def scored_folder(folder: Path, name: str, tokenizer, texts: dict[str, str], see
 
 @pytest.fixture(scope="module")
 def teachers(micro_corpus, real_tokenizer, tmp_path_factory) -> tuple[Path, Path]:
-    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.sample_corpus import clean_texts
 
     texts = {f"d:{k}": t for k, t in enumerate(clean_texts(micro_corpus)[:24])}
     only_a = {**texts, "only-a": "Only the first teacher scored this: 1 + 1 = 2."}

@@ -156,8 +156,8 @@ def test_inspect_validates_and_summarises_the_s3_dataset(s3_scored, micro_scored
 
 
 def test_stage2_trains_from_the_s3_dataset_as_from_the_local_one(s3_scored, micro_scored, micro_corpus, tmp_path):
-    from pipeline.lab.embedded.sample_corpus import clean_texts
-    from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
     from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
     from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training
     from stages.train_student import job_config

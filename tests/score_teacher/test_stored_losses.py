@@ -71,7 +71,7 @@ def whole_document_losses(model, token_ids: list[int], bos_id: int | None) -> np
 @pytest.fixture(scope="module")
 def corpus(micro_corpus, tmp_path_factory):
     """A long page (many windows), short ones (one window, one token) and hostile text."""
-    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.sample_corpus import clean_texts
 
     texts = clean_texts(micro_corpus)
     long_page = max(texts[:40], key=len)[:1500]

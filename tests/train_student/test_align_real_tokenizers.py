@@ -1,4 +1,4 @@
-"""pipeline.train_student.align on the project's real tokenizers (see ../shared/tokenizers/README.md).
+"""pipeline.alignment on the project's real tokenizers (see ../shared/tokenizers/README.md).
 
 Student: TinyLlama / Llama-2 SentencePiece. Teachers: Qwen2.5 and DeepSeekMath (byte-level BPE)
 and Mistral (its own SentencePiece). Each tokenizer is loaded once per session (Qwen2's GGUF
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.train_student.align import align_document, align_spans, alignment_quality, overlap_pairs
+from pipeline.alignment import align_document, align_spans, alignment_quality, overlap_pairs
 from pipeline.tokenization import encode
 
 TOKENIZERS = Path(__file__).resolve().parents[2].parent / "shared" / "tokenizers"
@@ -145,7 +145,7 @@ def same_bits(x: np.ndarray, y: np.ndarray) -> bool:
 def test_batched_fast_path_equals_align_document_on_real_tokenizers(real_tokenizer, student_name):
     """Every real tokenizer pair takes align_documents' fast path (no document falls back) and
     gets align_document's losses bit for bit, with NaN losses and a teacher BOS (0, 0) span."""
-    from pipeline.train_student.align import _SharedLine, align_documents
+    from pipeline.alignment import _SharedLine, align_documents
     from pipeline.tokenization import encode_batch
 
     texts = [*TEXTS, "", " ", TEXTS[0] * 3]

@@ -21,11 +21,11 @@ import torch
 
 from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
-from pipeline.train_student.align import align_document
+from pipeline.alignment import align_document
 from pipeline.train_student.data import AlignmentConfig, PackingConfig, build_student_data
 from pipeline.train_student.guided_loss import SelectionConfig, select_tokens
 from pipeline.train_student.run import run_training
-from pipeline.train_student.teachers import (
+from pipeline.train_student.several_teachers import (
     TeacherMetrics,
     TeacherMismatchError,
     combine_losses,

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
 from storage_schemas.reader import BadShardError, open_scored_dataset
 from pipeline.train_student.data import (
     AlignmentConfig,
@@ -30,7 +30,7 @@ SMALL_STUDENT = TinyStudentSpec(vocab_size=700, limit_alphabet=100, hidden_size=
 
 @pytest.fixture(scope="module")
 def student_dir(micro_corpus, tmp_path_factory) -> Path:
-    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.sample_corpus import clean_texts
 
     return build_tiny_student(clean_texts(micro_corpus), tmp_path_factory.mktemp("student") / "tiny", SMALL_STUDENT)
 
@@ -78,7 +78,7 @@ def test_tiny_student_tokenizer_is_sentencepiece_style_with_byte_fallback(studen
 
 
 def test_tiny_student_build_is_cached(micro_corpus, student_dir):
-    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.sample_corpus import clean_texts
 
     stamp = (student_dir / "_BUILD.json").stat().st_mtime_ns
     assert build_tiny_student(clean_texts(micro_corpus), student_dir, SMALL_STUDENT) == student_dir

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from pipeline.lab.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
 from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
 from pipeline.train_student.data import AlignmentConfig
 from pipeline.train_student.guided_loss import SelectionConfig
@@ -36,7 +36,7 @@ METRICS = ("loss", "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", 
 
 @pytest.fixture(scope="module")
 def tiny_student(micro_corpus, tmp_path_factory) -> Path:
-    from pipeline.lab.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.sample_corpus import clean_texts
 
     return build_tiny_student(clean_texts(micro_corpus), tmp_path_factory.mktemp("students") / "sp", SPEC)
 

@@ -1,3 +1,2 @@
-"""Teacher scoring backends behind one interface (:class:`pipeline.score_teacher.backends.base.WindowScorer`)."""
-
-from pipeline.score_teacher.backends.base import ScorerConfig, WindowScorer, make_scorer  # noqa: F401
+"""Teacher scoring backends behind one interface (:class:`pipeline.score_teacher.backends.base.WindowScorer`):
+``hf`` (transformers), ``vllm``; :func:`pipeline.score_teacher.backends.factory.make_scorer` picks one."""

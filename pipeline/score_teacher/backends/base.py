@@ -54,15 +54,3 @@ class WindowScorer(Protocol):
     def score(self, windows: Sequence[np.ndarray]) -> list[np.ndarray]: ...
 
     def describe(self) -> dict: ...
-
-
-def make_scorer(cfg: ScorerConfig) -> WindowScorer:
-    if cfg.backend == "transformers":
-        from pipeline.score_teacher.backends.hf import TransformersScorer
-
-        return TransformersScorer(cfg)
-    if cfg.backend == "vllm":
-        from pipeline.score_teacher.backends.vllm import VLLMScorer
-
-        return VLLMScorer(cfg)
-    raise ValueError(f"unknown scoring backend {cfg.backend!r}; choose 'transformers' or 'vllm'")

@@ -22,17 +22,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.model_source import resolve_device
 from pipeline.score_teacher.backends.base import ScorerConfig
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def load_causal_lm(cfg: ScorerConfig, device: torch.device):

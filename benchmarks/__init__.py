@@ -1,0 +1,38 @@
+"""``make bench``: the project's performance figures, each measured as a ratio inside one run.
+
+Every figure compares two sides measured in the same process (or the same run), interleaved
+(A B B A A B ...) and repeated, so that a machine shared with other work slows both sides alike;
+the figure is the median over the repetitions of the per-repetition ratio, with its spread.
+Single-threaded sides are compared by process CPU time (what the work costs, undisturbed by
+time-slicing on a shared machine); multi-process and multi-threaded sides by wall time.
+
+Cases (one module each, a pure function from a typed config to a result dict):
+
+=================  ==========================================================================
+case               what it measures
+=================  ==========================================================================
+``alignment``      time to align / time to tokenize with the student, real tokenizers, >= 1 MiB
+                   of math text (:mod:`benchmarks.alignment`); and the same documents through
+                   a FuseLLM-style minimum-edit-distance DTW alignment (:mod:`benchmarks.dtw`)
+``stage1``         tokens/s of the whole ``score-teacher`` Ray job / tokens/s of a bare forward of
+                   the same teacher over the same batches (:mod:`benchmarks.stage1`)
+``storage``        bytes on disk per teacher token, default and compact settings
+                   (:mod:`benchmarks.storage`)
+``guided_loss``    one training step with the guided loss / with plain cross-entropy
+                   (:mod:`benchmarks.guided`)
+``student_data``   tokens/s of read + tokenize + align + pack / tokens/s of tokenization alone
+                   (:mod:`benchmarks.student_pipeline`)
+``memory``         peak RSS at 10x the corpus / at 1x, per stage and for inspection, each run in
+                   its own process (:mod:`benchmarks.memory`)
+``teachers``       CPU time of the student data pipeline with two teachers / with one, the same
+                   samples (:mod:`benchmarks.two_teacher_pipeline`)
+=================  ==========================================================================
+
+:mod:`benchmarks.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
+step, data pipeline per core) as a standalone script that needs only torch, transformers,
+accelerate and pyarrow.
+
+Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes and checks the report's shape.
+"""
+
+CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers")

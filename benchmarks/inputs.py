@@ -1,0 +1,166 @@
+"""What the bench cases run on: real tokenizers, math text, random-weight models, small corpora.
+
+Everything is deterministic and cached under the bench's work folder, so a second run skips the
+slow set-up (loading a GGUF vocabulary is slow; a folder with ``tokenizer.json`` loads fast):
+
+* :func:`real_tokenizer` loads one of the paper's tokenizers from ``../shared/tokenizers`` through
+  :func:`pipeline.tokenization.load_tokenizer`, saves it as a plain tokenizer folder and, from then
+  on, loads the folder, after checking once that both give the same fingerprint;
+* :func:`math_texts` takes the clean documents of the sample corpus generator until the text
+  reaches a byte budget;
+* :func:`random_causal_lm` writes a random-weight Llama-architecture checkpoint of a given size,
+  with a tokenizer alongside, that ``run_score_job`` and ``from_pretrained`` load by path;
+* :func:`sample_corpus` writes the first ``n`` documents of the sample corpus as one Parquet file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REAL_TOKENIZERS = {
+    "llama-spm": "ggml-vocab-llama-spm.gguf",  # TinyLlama / Llama-2: the student
+    "qwen2": "ggml-vocab-qwen2.gguf",  # Qwen2.5-Math: the paper's best teacher
+    "deepseek": "ggml-vocab-deepseek-llm.gguf",
+    "mistral": "mistral-v1.tokenizer.model",  # Mistral-ProXMath
+}
+
+_LOADED: dict[tuple[str, str], object] = {}
+
+
+def real_tokenizer(name: str, tokenizers_dir: str | os.PathLike, cache_dir: str | os.PathLike):
+    """The real tokenizer ``name`` (a key of :data:`REAL_TOKENIZERS`), loaded once per process."""
+    key = (name, str(tokenizers_dir))
+    if key not in _LOADED:
+        _LOADED[key] = _load_real(name, Path(tokenizers_dir), Path(cache_dir))
+    return _LOADED[key]
+
+
+def real_tokenizer_folder(name: str, tokenizers_dir: str | os.PathLike, cache_dir: str | os.PathLike) -> Path:
+    """A folder holding the real tokenizer ``name`` as ``tokenizer.json`` (for other processes)."""
+    real_tokenizer(name, tokenizers_dir, cache_dir)
+    folder = Path(cache_dir) / name
+    if json.loads((folder / STAMP).read_text()).get("format") != "folder":
+        raise ValueError(f"tokenizer {name} does not survive save_pretrained unchanged; no folder form")
+    return folder
+
+
+STAMP = "_SOURCE.json"
+
+
+def _load_real(name: str, tokenizers_dir: Path, cache_dir: Path):
+    """Load from the cache when its stamp matches the source file and the fingerprint matches;
+    else from the source, then cache it as a folder, or pickled where ``save_pretrained`` changes
+    it (Qwen2's reload adds an NFC normaliser)."""
+    import pickle
+
+    from pipeline.tokenization import fingerprint, load_tokenizer
+
+    source = tokenizers_dir / REAL_TOKENIZERS[name]
+    if not source.is_file():
+        raise FileNotFoundError(f"real tokenizer {name} not found at {source} (the test tokenizers beside the repository: see README.md)")
+    folder = cache_dir / name
+    want = {"source": str(source.resolve()), "size": source.stat().st_size, "mtime_ns": source.stat().st_mtime_ns}
+    stamp = json.loads((folder / STAMP).read_text()) if (folder / STAMP).is_file() else {}
+    if stamp.get("source_file") == want:
+        try:
+            if stamp.get("format") == "folder":
+                tok = load_tokenizer(str(folder))
+            else:
+                tok = pickle.loads((folder / "tokenizer.pkl").read_bytes())  # written below, by this code
+            if fingerprint(tok) == stamp.get("sha256"):
+                return tok
+        except Exception as exc:  # a stale or broken cache: rebuild it
+            log.warning("tokenizer cache %s unusable (%s); rebuilding", folder, exc)
+    tok = load_tokenizer(str(source))
+    sha = fingerprint(tok)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(folder))
+    form = "folder" if fingerprint(load_tokenizer(str(folder))) == sha else "pickle"
+    if form == "pickle":
+        (folder / "tokenizer.pkl").write_bytes(pickle.dumps(tok))
+    (folder / STAMP).write_text(json.dumps({"source_file": want, "sha256": sha, "format": form}, indent=1))
+    return tok
+
+
+def math_texts(min_bytes: int, seed: int = 0, kinds: tuple[str, ...] = ("clean",)) -> list[str]:
+    """Sample-corpus documents of the given kinds, in corpus order, until their UTF-8 size
+    reaches ``min_bytes`` (clean = worked problems, LaTeX, unicode maths, some emoji and CJK)."""
+    from pipeline.embedded.sample_corpus import generate_documents
+
+    n_docs = 64
+    while True:  # one corpus of n_docs documents; twice as many if it is too small
+        texts: list[str] = []
+        total = 0
+        for d in generate_documents(n_docs, seed=seed):
+            if d["text"] and json.loads(d["metadata"] or "{}").get("kind") in kinds:
+                texts.append(d["text"])
+                total += len(d["text"].encode("utf-8"))
+                if total >= min_bytes:
+                    return texts
+        n_docs *= 2
+
+
+def sample_corpus(out_dir: str | os.PathLike, n_docs: int, seed: int = 0) -> list[Path]:
+    """The sample corpus of ``n_docs`` documents (noise and bad rows included) as Parquet."""
+    from pipeline.embedded.sample_corpus import build_sample_corpus
+
+    return build_sample_corpus(Path(out_dir) / f"corpus-n{n_docs}-s{seed}", n_docs=n_docs, n_files=1, seed=seed)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-architecture model built from a config (random weights: speed does not need training)."""
+
+    hidden_size: int = 384
+    num_layers: int = 4
+    intermediate_size: int = 1024
+    num_heads: int = 6
+    num_kv_heads: int | None = None  # None: num_heads
+    context: int = 512
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+def build_model(spec: ModelSpec, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads or spec.num_heads, max_position_embeddings=spec.context,
+        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=bos_id, eos_token_id=eos_id,
+    )
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(config)
+
+
+def count_parameters(model) -> dict:
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+
+
+def random_causal_lm(out_dir: str | os.PathLike, spec: ModelSpec, tokenizer) -> Path:
+    """A checkpoint folder (safetensors + tokenizer) of a random-weight model; cached by spec."""
+    folder = Path(out_dir)
+    stamp = folder / "_BENCH_MODEL.json"
+    want = {"spec": asdict(spec), "vocab_size": len(tokenizer), "tokenizer": tokenizer.name_or_path}
+    if stamp.is_file() and json.loads(stamp.read_text()).get("build") == want:
+        return folder
+    model = build_model(spec, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    stamp.write_text(json.dumps({"build": want, "parameters": count_parameters(model)}, indent=1))
+    return folder
+
+
+def model_parameters(folder: str | os.PathLike) -> dict:
+    return json.loads((Path(folder) / "_BENCH_MODEL.json").read_text())["parameters"]

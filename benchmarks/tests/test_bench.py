@@ -1,0 +1,135 @@
+"""The bench runs at tiny sizes and reports in the right shape. No timing is asserted: these tests
+check that every case measures something and says so, never how fast anything is."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _check_figures(result: dict, keys: set[str]) -> None:
+    figures = {f["key"]: f for f in result["figures"]}
+    assert keys <= set(figures)
+    for key in keys:
+        f = figures[key]
+        assert f["status"] in ("pass", "miss", "info"), f
+        assert isinstance(f["value"], float) and math.isfinite(f["value"]) and f["value"] > 0, f
+        assert f["note"]
+
+
+def test_figure_status_and_miss_factor():
+    from benchmarks.results import figure
+
+    assert figure("a", "a", 0.04, 0.05, "<=")["status"] == "pass"
+    missed = figure("a", "a", 0.10, 0.05, "<=")
+    assert missed["status"] == "miss" and missed["miss_factor"] == pytest.approx(2.0)
+    assert figure("b", "b", 50.0, 100.0, ">=")["miss_factor"] == pytest.approx(2.0)
+    assert figure("c", "c", 1.0)["status"] == "info"
+    assert figure("d", "d", None, 1.0, "<=")["status"] == "error"
+
+
+def test_interleaved_alternates_and_ratio_pairs_repetitions():
+    from benchmarks.measure import interleaved, ratio
+
+    order = []
+    samples = interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3, warmup=1)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert all(len(s.wall) == len(s.cpu) == 3 for s in samples.values())
+    r = ratio([2.0, 4.0, 6.0], [1.0, 1.0, 2.0])
+    assert r["median"] == 3.0 and r["min"] == 2.0 and r["max"] == 4.0 and r["of_minima"] == 2.0
+
+
+def test_dtw_pairs_identical_sequences_one_to_one():
+    from benchmarks.dtw import dtw_cells, dtw_path, levenshtein
+
+    assert levenshtein("kitten", "sitting") == 3 and levenshtein("", "abc") == 3
+    assert dtw_path(["a", "b", "c"], ["a", "b", "c"]) == [[0], [1], [2]]
+    assert dtw_path(["ab", "c"], ["a", "b", "c"])[1] == [2]
+    assert dtw_cells([10, 4000], [8, 3000], chunk=2048) == 80 + 2 * 2000 * 1500
+
+
+def test_alignment_case_quick(real_tokenizer):
+    from benchmarks.alignment import AlignmentBenchConfig, run
+
+    cfg = AlignmentBenchConfig(min_bytes=20_000, repeats=1, warmup=0, dtw_docs=1, dtw_budget_s=1.0, profile=False)
+    result = run(cfg, real_tokenizer("llama-spm"), real_tokenizer("qwen2"))
+    _check_figures(result, {"alignment_cost", "alignment_vs_dtw"})
+    assert result["texts"]["bytes"] >= 20_000
+    assert result["align_documents_exact"]  # the batched path gives align_document's answer
+
+
+def test_storage_and_student_data_cases_quick(micro_scored, real_tokenizer, tmp_path):
+    from benchmarks.storage import StorageBenchConfig
+    from benchmarks.storage import run as run_storage
+    from benchmarks.student_pipeline import StudentDataBenchConfig
+    from benchmarks.student_pipeline import run as run_student
+
+    storage = run_storage(StorageBenchConfig(max_shards=2, levels=(3,), object_store_repeats=1), tmp_path, micro_scored)
+    _check_figures(storage, {"storage_default", "storage_compact", "object_store_write", "object_store_read"})
+    assert storage["object_store"]["rows"] == storage["documents"]  # both sides read back every row
+    assert {s["kind"] for s in storage["settings"]} == {"current", "schema change"}
+    compact = next(s for s in storage["settings"] if s["name"] == "compact")
+    assert set(compact["columns_bytes_per_token"]) >= {"doc_id", "text", "token_ids", "starts", "ends", "losses"}
+
+    cfg = StudentDataBenchConfig(max_shards=2, repeats=1, warmup=0, seq_len=64)
+    student = run_student(cfg, tmp_path, real_tokenizer("llama-spm"), micro_scored)
+    _check_figures(student, {"student_data"})
+    assert student["delivered_tokens"]["pipeline"] > 0
+
+
+def test_guided_loss_case_quick():
+    from benchmarks.guided import GuidedLossBenchConfig, run
+    from benchmarks.inputs import ModelSpec
+
+    cfg = GuidedLossBenchConfig(model=ModelSpec(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2),
+                                vocab_size=256, batch_size=2, seq_len=16, repeats=2, loss_repeats=2, warmup=0)
+    _check_figures(run(cfg), {"guided_loss_overhead"})
+
+
+def test_report_files_have_the_table(tmp_path):
+    from benchmarks.measure import machine_info
+    from benchmarks.results import figure, write_report
+
+    report = {"mode": "quick", "machine": machine_info(), "seconds": 1.0, "cases": {},
+              "figures": [figure("x", "a measure", 0.5, 1.0, "<=", note="n|ote"), figure("y", "other", float("nan"))]}
+    json_path, md_path = write_report(report, tmp_path)
+    loaded = json.loads(json_path.read_text())
+    assert loaded["figures"][0]["status"] == "pass" and loaded["figures"][1]["value"] is None
+    md = md_path.read_text()
+    assert "| a measure | 0.500 | <= 1.000 | pass | n\\|ote |" in md
+
+
+def test_bench_config_composes_and_quick_sizes_apply():
+    from hydra import compose, initialize_config_dir
+
+    from benchmarks.__main__ import case_configs, effective_config
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        full = compose(config_name="bench")
+        quick = compose(config_name="bench", overrides=["quick=true"])
+    typed_full, typed_quick = case_configs(effective_config(full)), case_configs(effective_config(quick))
+    assert typed_full["alignment"].min_bytes >= 2**20
+    assert typed_quick["alignment"].min_bytes < typed_full["alignment"].min_bytes
+    assert typed_quick["stage1"].model.hidden_size < typed_full["stage1"].model.hidden_size
+    assert typed_full["storage"].levels == (3, 19)
+
+
+@pytest.mark.slow
+def test_make_bench_quick_writes_json_and_markdown(tmp_path):
+    """The whole quick bench, as ``make bench ARGS="quick=true"`` runs it (Ray, subprocesses)."""
+    cmd = [sys.executable, "-m", "benchmarks", "quick=true", f"out_dir={tmp_path}", f"work_dir={tmp_path / 'work'}",
+           "fallback_docs=20", "scored_dataset=" + str(tmp_path / "none")]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=1800)
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert set(report["cases"]) == {"alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers"}
+    for f in report["figures"]:
+        assert f["status"] in ("pass", "miss", "info"), f
+        assert f["value"] is not None and f["value"] > 0
+    assert "| measure | value | target | status |" in (tmp_path / "latest.md").read_text()

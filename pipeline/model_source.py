@@ -1,0 +1,192 @@
+"""Where a teacher's files come from: a pre-flight check, and a safetensors copy of pickle weights.
+
+:func:`check_teacher_source` runs in the driver before any Ray work. It lists the teacher's files
+once, from a local folder, from the Hugging Face cache (no network) or, failing that, with one
+Hub request under a short timeout, and turns every way this can fail (no network, offline mode, a
+typo in the hub id, a private or gated repository, a missing revision, pickle-only weights) into
+one line naming the teacher and the ways out, instead of retries inside every actor.
+
+Teachers are loaded from safetensors only. For a checkpoint that ships only pickle (``.bin``)
+weights there are two ways: :func:`convert_to_safetensors` (``make convert-teacher``) writes a
+safetensors copy once, or ``teacher.allow_bin=true`` lets transformers read the ``.bin`` files
+with ``torch.load(weights_only=True)`` (tensors only, no arbitrary objects).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline.config import ConfigError, UserError
+
+HUB_TIMEOUT_S = 10.0
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "generation_config.json")
+
+
+class TeacherSourceError(UserError, RuntimeError):
+    """The teacher's files cannot be had as configured; the message is one line."""
+
+
+def check_teacher_source(teacher, timeout_s: float = HUB_TIMEOUT_S) -> None:
+    """Raise :class:`TeacherSourceError` unless the teacher's config and weights (and a separate
+    tokenizer, if configured) can be had; ``teacher`` has ``name``, ``model``, ``revision``,
+    ``tokenizer`` and ``allow_bin`` (:class:`pipeline.score_teacher.job.TeacherConfig`)."""
+    files = _list_files(teacher, "model", timeout_s, need_weights=True)
+    if files is not None:
+        if "config.json" not in files:
+            raise _error(teacher, f"{teacher.model} has no config.json: not a transformers checkpoint")
+        _check_weights(teacher, files)
+    if teacher.tokenizer and teacher.tokenizer != teacher.model:
+        _list_files(teacher, "tokenizer", timeout_s, need_weights=False)
+
+
+def _error(teacher, problem: str, ways_out: bool = True) -> TeacherSourceError:
+    text = f"teacher {teacher.name!r} ({teacher.model}): {problem}"
+    if ways_out:
+        text += (f"; ways out: a local checkpoint folder (teacher.model=/path/to/folder), or the Hugging Face "
+                 f"cache (download once where there is network: hf download {teacher.model}; "
+                 f"then run with the same HF_HOME, HF_HUB_OFFLINE=1 works)")
+    return TeacherSourceError(text)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: the GPU where there is one, else the CPU; anything else as torch names it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def looks_local(name: str) -> bool:
+    """A path as written (absolute, ./, ../, ~), as opposed to a hub id."""
+    return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
+
+
+def _list_files(teacher, key: str, timeout_s: float, need_weights: bool) -> set[str] | None:
+    """File names of ``teacher.<key>``: a local folder or hub repository (None for a single local file)."""
+    ref = getattr(teacher, key)
+    path = Path(os.path.expanduser(ref))
+    if path.is_dir():
+        return {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
+    if path.is_file():
+        return None
+    if looks_local(ref):
+        raise TeacherSourceError(f"teacher.{key}: no such local file or folder: {ref}")
+    cached = _cached_files(teacher, ref)
+    if cached and (not need_weights or _weight_files(cached)):
+        return cached
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        what = "is not" if not cached else "has only part of it"
+        raise _error(teacher, f"{ref} {what} in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                              f"HF_HUB_OFFLINE is set")
+    return _hub_files(teacher, ref, timeout_s)
+
+
+def _cached_files(teacher, ref: str) -> set[str]:
+    """Files of the cached snapshot of ``ref`` at the teacher's revision (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        config = try_to_load_from_cache(ref, "config.json", revision=teacher.revision)
+        if not isinstance(config, str):
+            config = try_to_load_from_cache(ref, "tokenizer_config.json", revision=teacher.revision)
+    except HFValidationError as exc:
+        raise _error(teacher, f"{ref!r} is neither a local folder nor a valid hub id ({exc})", ways_out=False) from None
+    if not isinstance(config, str):
+        return set()
+    snapshot = Path(config).parent
+    return {str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()}
+
+
+def _hub_files(teacher, ref: str, timeout_s: float) -> set[str]:
+    """One Hub request, no retries."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        info = HfApi().model_info(ref, revision=teacher.revision, timeout=timeout_s)
+    except GatedRepoError:
+        raise _error(teacher, f"{ref} is gated: accept its licence on the Hub and log in "
+                              f"(hf auth login, or HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise _error(teacher, f"{ref} has no revision {teacher.revision!r} (teacher.revision)", ways_out=False) from None
+    except RepositoryNotFoundError:
+        raise _error(teacher, f"no hub repository {ref}: check the id for a typo; a private repository needs "
+                              f"a login (hf auth login, or HF_TOKEN)") from None
+    except Exception as exc:  # no network, DNS, proxy, timeout, server error
+        detail = str(exc).splitlines()[0][:160] if str(exc) else ""
+        raise _error(teacher, f"the Hugging Face Hub could not be reached ({type(exc).__name__}: {detail}) and "
+                              f"{ref} is not in the cache") from None
+    return {s.rfilename for s in (info.siblings or [])}
+
+
+def _weight_files(files: set[str]) -> dict[str, list[str]]:
+    names = [Path(f).name for f in files]
+    return {
+        "safetensors": [f for f in names if f.endswith(".safetensors")],
+        "pickle": [f for f in names if f.endswith(".bin") and f != "training_args.bin"],
+    }
+
+
+def _check_weights(teacher, files: set[str]) -> None:
+    weights = _weight_files(files)
+    if weights["safetensors"]:
+        return
+    if not weights["pickle"]:
+        raise _error(teacher, f"{teacher.model} has no weight files (*.safetensors or *.bin)")
+    if not teacher.allow_bin:
+        raise _error(teacher, (
+            f"{teacher.model} ships only pickle (.bin) weights and teachers are loaded from safetensors only: "
+            f"convert them once (make convert-teacher ARGS=\"teacher={teacher.name}\", then "
+            f"teacher.model=<the folder it prints>), or set teacher.allow_bin=true to read them with "
+            f"torch.load(weights_only=True)"), ways_out=False)
+
+
+def convert_to_safetensors(model: str, out_dir: str | os.PathLike, revision: str | None = None,
+                           trust_remote_code: bool = False) -> Path:
+    """Write a copy of checkpoint ``model`` (folder or hub id) with safetensors weights to ``out_dir``.
+
+    The ``.bin`` weights are read with ``torch.load(weights_only=True)`` (through transformers) in
+    the checkpoint's own dtype; the tokenizer files are copied byte for byte (a re-saved tokenizer
+    can differ). The folder is written under a temporary name and renamed; ``converted_from.json``
+    records the source. An existing non-empty ``out_dir`` is refused.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; remove it or choose another folder")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    lm = AutoModelForCausalLM.from_pretrained(model, revision=revision, dtype="auto", use_safetensors=False,
+                                              trust_remote_code=trust_remote_code)
+    lm.save_pretrained(tmp)  # safetensors
+    copied = _copy_tokenizer_files(model, revision, tmp)
+    (tmp / "converted_from.json").write_text(json.dumps(
+        {"model": model, "revision": revision, "dtype": str(lm.dtype).removeprefix("torch."),
+         "tokenizer_files": copied}, indent=1))
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return out
+
+
+def _copy_tokenizer_files(model: str, revision: str | None, dest: Path) -> list[str]:
+    source = Path(os.path.expanduser(model))
+    if not source.is_dir():
+        from huggingface_hub import snapshot_download
+
+        source = Path(snapshot_download(model, revision=revision, allow_patterns=list(_TOKENIZER_FILES)))
+    copied = []
+    for name in _TOKENIZER_FILES:
+        if (source / name).is_file() and not (name == "generation_config.json" and (dest / name).is_file()):
+            shutil.copyfile(source / name, dest / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,431 @@
+"""make repro: its evaluation measures, claim verdicts, report, and one small end-to-end run.
+
+The measures are checked against exact values: a Llama whose weights are all zero gives the same
+logit to every token, so its loss is ln(V) on every predicted token (bits per byte then follows
+from the token and byte counts alone).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from repro.diagnose import select_top, summarize_selection, token_losses
+from repro.evaluate import Completion, answer_scores, bits_per_byte, completion_items, continuation_losses
+from repro.report import (
+    README_END,
+    README_START,
+    check_claims,
+    compare,
+    compare_gains,
+    noise_points,
+    summarize,
+    sweep_points,
+    update_readme,
+    write_report,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation measures
+
+
+def test_completion_items_are_well_formed_and_correct():
+    items = completion_items(30, seed=5)
+    assert [i.kind for i in items].count("arithmetic") == 30
+    assert [i.kind for i in items].count("restate") == 30
+    for item in items:
+        m = re.search(r"Solution: (\d+) ([×*+-]) (\d+) =", item.prompt)
+        assert m, item.prompt
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        assert int(item.answer) == {"×": a * b, "*": a * b, "+": a + b, "-": a - b}[op]
+        assert set(item.distractors) == {str(a), str(b)} - {item.answer} and item.answer not in item.distractors
+        if item.kind == "arithmetic":
+            assert item.prompt.endswith(" =") and item.suffix == "."
+        else:  # the answer is on the line above, right after "= "; the continuation ends the sentence
+            assert f"= {item.answer}. " in item.prompt and not item.prompt.endswith(item.answer)
+            assert item.suffix.startswith(" ") and item.suffix.endswith(".") and not re.search(r"\d", item.suffix)
+    assert completion_items(30, seed=5) == items  # deterministic
+    assert completion_items(30, seed=6) != items
+
+
+@pytest.fixture(scope="module")
+def digit_first_model(tmp_path_factory):
+    """A word-level tokenizer whose id 0 is "7", and a Llama with every weight zero."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["7", "<s>", "</s>", "<unk>", "the", "answer", "is", "=", "+", "1", "2", "3", ".", "Solution:"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.Fuse()  # "7" "7" -> "77"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    config = LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model, tokenizer
+
+
+def test_bits_per_byte_of_a_uniform_model_is_exact(digit_first_model):
+    model, tokenizer = digit_first_model
+    texts = ["the answer is 1 + 2 = 3 .", "Solution: 1 + 1 = 2 . " * 9, "7"]
+    n_tokens = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    n_bytes = sum(len(t.encode()) for t in texts)
+    expected = n_tokens * math.log2(len(tokenizer)) / n_bytes
+    for window in (4, 7, 64):  # blocks: every token is predicted exactly once, whatever the window
+        got = bits_per_byte(model, tokenizer, texts, window=window, batch_size=3)
+        assert got["n_tokens"] == n_tokens and got["n_bytes"] == n_bytes
+        assert got["bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+        assert got["nats_per_token"] == pytest.approx(math.log(len(tokenizer)), rel=1e-5)
+
+
+def test_bits_per_byte_matches_the_models_own_loss(digit_first_model):
+    """With random weights and a window covering the text: the HF loss of <s> + text, times the
+    predicted tokens, in bits, over the bytes."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    _, tokenizer = digit_first_model
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(digit_first_model[0].config)
+    text = "the answer is 1 + 2 = 3 . Solution: 2 + 1 = 3 ."
+    ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        loss = model(input_ids=x, labels=x).loss.item()
+    expected = loss * (len(ids) - 1) / math.log(2) / len(text.encode())
+    assert bits_per_byte(model, tokenizer, [text], window=64)["bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_continuation_losses_of_a_uniform_model_count_tokens(digit_first_model):
+    model, tokenizer = digit_first_model  # every predicted token costs ln(V)
+    # the last pair reads "the answer is 12 .": "12" is one token (<unk>) that starts in the prompt
+    # and ends in the continuation, so it is the continuation's (it is predicted after the prompt)
+    pairs = [("the answer is", " 3 ."), ("1 + 2 =", " 1 2 3 ."), ("Solution:", " 7"), ("the answer is 1", "2 .")]
+    got = continuation_losses(model, tokenizer, pairs, batch_size=2)
+    v = math.log(len(tokenizer))
+    assert got == pytest.approx([2 * v, 4 * v, v, 2 * v], rel=1e-5)
+
+
+def test_continuation_losses_match_the_models_own_loss(digit_first_model):
+    """Random weights: the HF loss with the prompt's labels masked, times the scored tokens."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    _, tokenizer = digit_first_model
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(digit_first_model[0].config)
+    prompt, cont = "the answer is 1 + 2 =", " 3 . the answer"
+    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = [tokenizer.bos_token_id, *tokenizer(prompt + cont, add_special_tokens=False)["input_ids"]]
+    labels = [-100] * (1 + len(p_ids)) + ids[1 + len(p_ids):]
+    with torch.no_grad():
+        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
+    expected = loss * (len(ids) - 1 - len(p_ids))
+    got = continuation_losses(model, tokenizer, [(prompt, cont), ("7", " 7 7")], batch_size=4)[0]  # padded batch
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_answer_scores_by_hand(digit_first_model):
+    model, tokenizer = digit_first_model
+    v = math.log(len(tokenizer))
+    items = [Completion("arithmetic", "1 + 2 =", "3", " .", ("1 2",)),  # 2 tokens vs 3: the answer wins
+             Completion("arithmetic", "2 + 1 =", "3", " .", ("2",)),  # a tie is not a win
+             Completion("restate", "the answer is", "3", "", ()),  # no distractor: not in the choice
+             Completion("restate", "the answer is", "1 2", "", ("3",))]  # the distractor is shorter: loses
+    got = answer_scores(model, tokenizer, items)
+    # " 3 ." twice: 4 tokens, 8 bytes; " 3" and " 1 2": 3 tokens, 6 bytes
+    assert got["arithmetic"] == {"n": 2, "bits_per_byte": pytest.approx(4 * v / math.log(2) / 8), "n_choice": 2,
+                                 "choice_accuracy": 0.5}
+    assert got["restate"] == {"n": 2, "bits_per_byte": pytest.approx(3 * v / math.log(2) / 6), "n_choice": 1,
+                              "choice_accuracy": 0.0}
+
+
+# --------------------------------------------------------------------------------------------
+# Claims and report
+
+
+def _results(values: dict[str, list[float]], folder="/x/scored/strong/v1", seeds=None) -> list[dict]:
+    out = []
+    for arm, bpbs in values.items():
+        mode = "cpt" if arm.startswith("cpt") or arm == "bbpe_cpt" else "random" if arm.startswith("random") else "guided"
+        m = re.search(r"_r(\d+)$", arm)
+        ratio = 1.0 if mode == "cpt" else int(m.group(1)) / 100 if m else 0.4
+        m = re.search(r"_noise(\d+)$", arm)
+        noise = int(m.group(1)) / 100 if m else 0.5
+        for seed, bpb in zip(seeds or range(len(bpbs)), bpbs):
+            out.append({"arm": arm, "seed": seed, "teacher": "strong", "student": "bbpe" if arm.startswith("bbpe") else "spm",
+                        "mode": mode, "ratio": ratio, "noise_share": noise, "corpus": "main",
+                        "scored_folder": folder, "bits_per_byte": bpb, "tokens_trained": 100,
+                        "answers": {"restate": {"bits_per_byte": 2 * bpb, "choice_accuracy": 0.5},
+                                    "arithmetic": {"bits_per_byte": 3 * bpb, "choice_accuracy": 0.25}},
+                        "last_log": {"kept_fraction": 1.0 if mode == "cpt" else ratio}})
+    return out
+
+
+def test_compare_pairs_seeds_and_tests_the_differences():
+    arms = summarize(_results({"a": [1.0, 1.0, 1.0], "b": [1.1, 1.2, 1.05]})
+                     + _results({"c": [0.5, 0.6]}, seeds=[2, 7]))
+    p = compare(arms, "a", "b")
+    assert p["diffs"] == pytest.approx([-0.1, -0.2, -0.05]) and p["seeds"] == [0, 1, 2]
+    assert p["ci"] == pytest.approx([-0.306400, 0.073066], abs=1e-5)  # hand-worked: mean -0.116667 ± 4.3027 * 0.044096
+    assert compare(arms, "a", "c")["seeds"] == [2] and compare(arms, "a", "c")["ci"] is None  # only seed 2 is shared
+    assert compare(arms, "a", "missing") is None
+    assert compare(arms, "a", "b", "restate_bpb")["mean"] == pytest.approx(2 * -0.116667, abs=1e-6)
+    gains = compare_gains(summarize(_results({"g1": [1.0, 1.0, 1.0], "c1": [1.1, 1.1, 1.2],
+                                              "g0": [1.0, 1.0, 1.0], "c0": [1.0, 1.01, 1.0]})), "g1", "c1", "g0", "c0")
+    assert gains["diffs"] == pytest.approx([-0.1, -0.09, -0.2])
+
+
+def _all_arms(shift: float = 0.0) -> dict[str, list[float]]:
+    """Four seeds of every arm; hand-made so that each verdict below is known in advance."""
+    j = [0.0, 0.002, -0.002, 0.001]  # the same jitter on every arm: paired differences have sd 0
+    arm = lambda x: [x + d for d in j]  # noqa: E731
+    return {"guided": arm(1.00), "cpt": arm(1.05), "random": arm(1.10),
+            "guided_weak_teacher": [0.9, 1.2, 0.95, 1.3],  # mixed: inconclusive
+            "chunk_32": arm(1.02), "chunk_4": arm(1.04), "unmapped_exclude": arm(1.00 - 0.01),  # exclude wins
+            "aggregate_mean": arm(1.01), "aggregate_min": arm(1.02),
+            "bbpe_guided": arm(2.0 + shift), "bbpe_cpt": arm(2.0),
+            "guided_r20": arm(1.03), "random_r20": arm(1.2), "guided_r80": arm(1.04), "random_r80": arm(1.06),
+            "guided_noise0": arm(0.9), "cpt_noise0": arm(0.91)}
+
+
+def test_claims_follow_the_rule():
+    results = _all_arms(shift=-0.05)
+    rows = _results(results)
+    claims = {c["claim"]: c["verdict"] for c in check_claims(summarize(rows), rows)}
+    assert claims == {1: "holds", 2: "holds", 3: "inconclusive", 4: "holds", 5: "does not hold", 6: "holds",
+                      7: "holds", 8: "holds"}  # 8: gain 0.05 at 50% noise vs 0.01 at 0%
+    split = [r | {"scored_folder": "/y/v1"} if r["arm"] == "bbpe_guided" else r for r in rows]
+    assert check_claims(summarize(split), split)[5]["verdict"] == "does not hold"  # two folders: one part fails
+    worse = _results(_all_arms(shift=+0.05))
+    sixth = check_claims(summarize(worse), worse)[5]
+    assert sixth["verdict"] == "does not hold" and [e["verdict"] for e in sixth["evidence"]] == ["does not hold", "holds"]
+    few = _results({"guided": [1.0], "cpt": [1.1]})
+    first = check_claims(summarize(few), few)[0]
+    assert first["verdict"] == "inconclusive" and "one seed" in first["evidence"][0]["text"]
+    assert check_claims(summarize(few), few)[2]["verdict"] == "not run"
+
+
+def test_sweep_and_noise_points():
+    arms = summarize(_results(_all_arms()))
+    assert sweep_points(arms) == {"guided": [(20, "guided_r20"), (40, "guided"), (80, "guided_r80"), (100, "cpt")],
+                                  "random": [(20, "random_r20"), (40, "random"), (80, "random_r80"), (100, "cpt")]}
+    assert noise_points(arms) == [(0, "guided_noise0", "cpt_noise0"), (50, "guided", "cpt")]
+
+
+def test_write_report_files_and_readme_section(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{README_START}\nold table\n{README_END}\nafter\n")
+    setup = {"finished": "2026-11-21T12:00:00+00:00", "seconds": 60.0, "machine": "test", "seed_sets": {"main": [0, 1, 2, 3]},
+             "n_runs": 68, "runs_planned": 70, "train_tokens_per_run": 100,
+             "power": {"pilot_sd": 0.0134, "pilot_seeds": 3, "pilot_note": "test", "delta": 0.01, "power": 0.8,
+                       "settings_note": "Settings committed first."}}
+    results = _results(_all_arms())
+    order = list(_all_arms())
+    record = write_report(results, order, setup, tmp_path / "out", readme, diagnosis={})
+    for png in ("report.png", "sweep.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert written["arms"]["guided"]["bpb"]["mean"] == pytest.approx(1.00025)
+    assert {r["scored_folder"] for r in written["runs"]} == {"scored/strong/v1"}  # no machine paths
+    body = (tmp_path / "out" / "report.md").read_text()
+    assert "interval lies wholly on the claimed side of zero" in body and "Partial report: 68 of the 70" in body
+    assert "n = 17 seeds" in body  # the power computation: sd 0.0134, delta 0.01, 80%
+    assert "Settings committed first." in body
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
+    assert "sweep.png" in text and "**holds**" in text and "Latest run: 2026-11-21" in text
+    assert record["claims"][0]["verdict"] == "holds"
+    assert update_readme(tmp_path / "out" / "report.md", "x") is False  # no markers: untouched
+
+
+def test_token_losses_match_the_models_own_loss(digit_first_model):
+    """Batched, padded windows give each document's per-token losses: with a window covering the
+    document they sum to the HF loss of <s> + document; with short windows every token is still
+    predicted once."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    _, tokenizer = digit_first_model
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(digit_first_model[0].config)
+    docs = [np.array(tokenizer(t, add_special_tokens=False)["input_ids"])
+            for t in ("the answer is 1 + 2 = 3 .", "7 7", "Solution: 2 + 1 = 3 . the answer is 3 .")]
+    got = token_losses(model, tokenizer.bos_token_id, docs, block=64, batch_size=2)
+    for ids, losses in zip(docs, got):
+        x = torch.tensor([[tokenizer.bos_token_id, *ids.tolist()]])
+        with torch.no_grad():
+            expected = model(input_ids=x, labels=x).loss.item() * len(ids)
+        assert losses.shape == (len(ids),) and losses.sum() == pytest.approx(expected, rel=1e-5)
+    short = token_losses(model, tokenizer.bos_token_id, docs, block=4, batch_size=3)
+    assert [len(x) for x in short] == [len(d) for d in docs]
+    assert short[1] == pytest.approx(got[1], rel=1e-5)  # fits in one window either way
+
+
+def test_selection_diagnosis_by_hand():
+    excess = np.array([5.0, 1.0, 3.0, 0.0, 2.0])
+    mapped = np.array([True, True, True, False, True])
+    assert select_top(excess, mapped, 0.5).tolist() == [True, False, True, False, False]  # ceil(0.5 * 4) = 2
+    kind = np.array(["noise", "clean", "clean", "noise", "clean"], dtype=object)
+    l_t = np.array([1.0, 1.0, 1.0, np.nan, 1.0])
+    out = summarize_selection(kind, excess + l_t, l_t, mapped, np.ones(5), 0.5)
+    assert out["kept_share"] == pytest.approx(3 / 5)  # two selected plus the unmapped one
+    noise, clean = out["by_kind"]["noise"], out["by_kind"]["clean"]
+    assert noise["kept_share_of_all_kept"] == pytest.approx(2 / 3) and clean["kept_share_of_all_kept"] == pytest.approx(1 / 3)
+    assert noise["kept_rate"] == 1.0 and clean["kept_rate"] == pytest.approx(1 / 3)
+    assert clean["excess_mean"] == pytest.approx(2.0) and noise["excess_mean"] == pytest.approx(5.0)
+    assert noise["mapped_rate"] == 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: the real stage, tiny settings
+
+
+KEEP = ("guided", "cpt", "random_r20", "guided_noise0", "cpt_noise0", "bbpe_guided")
+
+
+def _small_args(tmp_path: Path, readme: Path) -> list[str]:
+    """The full pipeline at tiny settings: six arms (the main pair, one sweep arm, the noise-free
+    corpus's pair, the second student), two seeds for main arms and one for the rest."""
+    drop = [f"~arms.{a}" for a in _conf_arms() if a not in KEEP] + ["~student_corpora.noise25"]
+    return [
+        sys.executable, "-m", "repro", *drop,
+        f"artifacts_dir={tmp_path / 'artifacts'}", f"work_dir={tmp_path / 'work'}", f"report_dir={tmp_path / 'report'}",
+        f"readme={readme}", "corpus.student_docs=36", "corpus.teacher_docs=60", "corpus.held_out_docs=4",
+        "teachers.strong.steps=3", "students.spm.vocab_size=600", "students.bbpe.vocab_size=300",
+        "corpus.pretrain_docs=30", "pretrain.steps=3", "pretrain.block=64", "pretrain.batch_size=2",
+        "seed_sets.main=[0,1]", "seed_sets.sweep=[0]", "train_steps=2", "eval.completions=4", "eval.window=64",
+        "train_overrides=[" + ",".join(f"'{o}'" for o in (
+            "student.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "train.logging_steps=1",
+            "train.cpu_threads=1", "data.num_workers=0")) + "]",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ]
+
+
+def _conf_arms() -> list[str]:
+    from omegaconf import OmegaConf
+
+    return list(OmegaConf.load(ROOT / "conf" / "repro.yaml").arms)
+
+
+def test_make_repro_end_to_end_small(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{README_START}\n{README_END}\n")
+    args = _small_args(tmp_path, readme)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    runs = report["runs"]
+    assert sorted((r["arm"], r["seed"]) for r in runs) == sorted(
+        [("guided", 0), ("guided", 1), ("cpt", 0), ("cpt", 1)] + [(a, 0) for a in KEEP[2:]])
+    assert all(r["steps"] == 2 and r["tokens_trained"] == 2 * 2 * 64 for r in runs)
+    assert all(0 < r["bits_per_byte"] < 20 for r in runs)
+    for r in runs:  # the answer measures: both kinds, a choice between three candidates
+        assert {k: v["n"] for k, v in r["answers"].items()} == {"arithmetic": 4, "restate": 4}
+        assert all(0 <= v["choice_accuracy"] <= 1 and v["bits_per_byte"] > 0 for v in r["answers"].values())
+    by_arm = {r["arm"]: r for r in runs}
+    assert (by_arm["random_r20"]["mode"], by_arm["random_r20"]["ratio"]) == ("random", 0.2)
+    assert by_arm["cpt"]["ratio"] == 1.0 and by_arm["guided_noise0"]["noise_share"] == 0.0
+    # one scored folder (the strong teacher's) serves both students; the noise-free corpus has its own
+    assert {r["scored_folder"] for r in runs} == {"repro-student/strong/v1", "repro-student-noise0/strong/v1"}
+    assert by_arm["bbpe_guided"]["scored_folder"] == by_arm["guided"]["scored_folder"]
+    assert not (tmp_path / "artifacts" / "teacher-weak").exists()  # the unused weak teacher is never built
+    corpora = report["setup"]["student_corpora"]
+    assert corpora["noise0"]["docs_by_kind"].get("noise", 0) == 0 and corpora["main"]["docs_by_kind"]["noise"] > 0
+    assert set(report["diagnosis"]) == {"spm", "bbpe"}
+    for d in report["diagnosis"].values():  # kept shares by page kind add up to one
+        assert sum(k["kept_share_of_all_kept"] for k in d["by_kind"].values()) == pytest.approx(1.0)
+    assert "**" in readme.read_text() and (tmp_path / "report" / "sweep.png").is_file()
+    bases = report["setup"]["base_students"]  # both base students evaluated before continual pretraining
+    assert set(bases) == {"spm", "bbpe"} and all(0 < b["bits_per_byte"] < 20 for b in bases.values())
+
+    # a rerun trains nothing: every run is read back from its result file, and the report is the same
+    first = (tmp_path / "report" / "report.json").read_text()
+    proc2 = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    assert proc2.stderr.count("(cached)") + proc2.stdout.count("(cached)") == len(runs)
+    again = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert [r["bits_per_byte"] for r in again["runs"]] == [r["bits_per_byte"] for r in runs]
+    assert again["claims"] == json.loads(first)["claims"]
+
+    # report_only after losing one run: reported as partial, nothing trained
+    (tmp_path / "work" / "students" / "cpt" / "seed1" / "repro_result.json").unlink()
+    proc3 = subprocess.run(args + ["report_only=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc3.returncode == 0, proc3.stderr[-3000:]
+    partial = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert len(partial["runs"]) == len(runs) - 1 and partial["setup"]["runs_planned"] == len(runs)
+    assert f"Partial report: {len(runs) - 1} of the {len(runs)} planned runs" in (tmp_path / "report" / "report.md").read_text()
+
+
+TIMINGS = ("tokens_per_s",)  # the only measured times in a run's last log
+
+
+def _figures(report: dict) -> dict:
+    """Every number of a report that a rerun must reproduce (paths and timings left out)."""
+    runs = {(r["arm"], r["seed"]): (r["bits_per_byte"], r["answers"], r["tokens_trained"],
+                                    {k: v for k, v in r["last_log"].items() if k not in TIMINGS})
+            for r in report["runs"]}
+    bases = {s: (b["bits_per_byte"], b.get("answers")) for s, b in report["setup"]["base_students"].items()}
+    return {"runs": runs, "bases": bases, "claims": report["claims"], "diagnosis": report["diagnosis"]}
+
+
+@pytest.mark.slow
+def test_make_repro_from_nothing_twice_gives_identical_figures(tmp_path):
+    """Two runs of the small repro, each from nothing in its own folders and process (so every
+    tokenizer, teacher, base student, scored dataset and student is built again): every figure of
+    the report equal. Guards what the cache cannot: a build that differs from one run to the next."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    reports = []
+    for name in ("first", "second"):
+        root = tmp_path / name
+        root.mkdir()
+        readme = root / "README.md"
+        readme.write_text(f"{README_START}\n{README_END}\n")
+        proc = subprocess.run(_small_args(root, readme), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        reports.append(json.loads((root / "report" / "report.json").read_text()))
+    first, second = (_figures(r) for r in reports)
+    assert len(first["runs"]) == 8
+    assert {k: v for k, v in first["runs"].items() if second["runs"].get(k) != v} == {}
+    assert first == second
+
+
+def test_bad_settings_end_with_one_line_each_and_exit_2(tmp_path):
+    args = [sys.executable, "-m", "repro", "arms.guided.teacher=nobody", "seed_sets.main=[]",
+            "seed_sets.sweep=[]", "arms.cpt.seeds=other", "arms.guided_noise0.corpus=dirty", "student_corpora.noise25=1.5",
+            f"artifacts_dir={tmp_path / 'a'}", f"work_dir={tmp_path / 'w'}", f"hydra.run.dir={tmp_path / 'h'}"]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    for line in ("seed_sets: no arm has a seed to run",
+                 "arms.guided.teacher: 'nobody' is not one of strong, weak",
+                 "arms.cpt.seeds: 'other' is not one of main, sweep, ablation",
+                 "arms.guided_noise0.corpus: 'dirty' is not one of main, noise0, noise25",
+                 "student_corpora.noise25: noise share 1.5 is not in [0, 1]"):
+        assert line in proc.stderr, (line, proc.stderr[-2000:])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "w").exists()  # refused before building anything
+
+
+def test_a_student_vocabulary_too_small_is_refused():
+    from repro.build import StudentSpec, _student_tokenizer
+
+    with pytest.raises(ValueError, match="vocab_size 300 leaves no room"):
+        _student_tokenizer(StudentSpec("x", "sentencepiece_bpe", 300), ["some text"] * 10)
+    with pytest.raises(ValueError, match="student tokenizer 'wordpiece' is not one of"):
+        _student_tokenizer(StudentSpec("x", "wordpiece", 3000), ["some text"])

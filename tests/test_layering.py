@@ -1,0 +1,112 @@
+"""The house's import rules, read from the source with ``ast`` (no module is imported):
+
+* the contract (``storage_schemas``) imports nothing of the project;
+* the library (``pipeline``) never imports the entry points, the lab or Hydra;
+* no module of one stage package (``pipeline.<stage>``) imports another stage's modules: what two
+  stages share lives in the shared modules at ``pipeline``'s top level;
+* no import cycle among the project's modules, counting lazy (function-level) imports too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("score_teacher", "train_student", "inspection", "evaluation", "export_student")
+LAB = ("benchmarks", "repro", "mutation", "local_s3")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    found = {}
+    for top in ("pipeline", "storage_schemas", "stages", *LAB):
+        for path in sorted((REPO / top).rglob("*.py")):
+            if "tests" not in path.relative_to(REPO).parts:
+                found[module_name(path)] = path
+    return found
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules and third-party top-level packages ``path`` imports, at any depth."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if f"{node.module}.{alias.name}" in modules)
+    return names
+
+
+def graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    edges = {}
+    for name, path in modules.items():
+        edges[name] = {m for m in imports_of(path, modules) if m in modules or m.split(".")[0] in ("hydra", "omegaconf")}
+    return edges
+
+
+def stage_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pipeline" and len(parts) > 1 and parts[1] in STAGES else None
+
+
+def test_the_contract_imports_nothing_of_the_project():
+    bad = {m: sorted(i for i in deps if not i.startswith("storage_schemas"))
+           for m, deps in graph().items() if m.startswith("storage_schemas")}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_the_library_imports_no_entry_point_no_lab_and_no_hydra():
+    forbidden = ("stages", "hydra", "omegaconf", *LAB)
+    bad = {m: sorted(i for i in deps if i.split(".")[0] in forbidden)
+           for m, deps in graph().items() if m.startswith("pipeline")}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_no_stage_imports_another_stages_modules():
+    bad = {}
+    for module, deps in graph().items():
+        own = stage_of(module)
+        if own is None:
+            continue
+        other = sorted(d for d in deps if stage_of(d) not in (None, own))
+        if other:
+            bad[module] = other
+    assert bad == {}
+
+
+def test_shared_modules_import_no_stage():
+    bad = {m: sorted(d for d in deps if stage_of(d))
+           for m, deps in graph().items() if m.startswith("pipeline") and stage_of(m) is None}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_no_import_cycle():
+    full = graph()
+    edges = {m: {d for d in deps if d in full} for m, deps in full.items()}
+    # a package's __init__ importing its own submodules is how packages re-export: not a cycle
+    edges = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in edges.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(edges[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
