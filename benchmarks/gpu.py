@@ -44,7 +44,8 @@ from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 
-from benchmarks.results import _jsonable, figure, markdown_table
+from benchmarks.results import figure, markdown_table
+from storage_schemas import strict_json
 
 SHAPES = {
     "qwen2.5-7b": dict(arch="qwen2", vocab_size=152_064, hidden_size=3584, intermediate_size=18_944,
@@ -372,7 +373,7 @@ def _vllm_child(spec: dict) -> None:
            "gpu_memory_utilization": s.vllm_gpu_memory_utilization,
            "flops_per_token": {"linear_parameters": linear, "forward": forward, "seq_len": window},
            **throughput(window * n_windows, seconds, forward, spec["peak"])}
-    Path(spec["out"]).write_text(json.dumps(_jsonable(out), indent=1))
+    Path(spec["out"]).write_text(json.dumps(strict_json(out), indent=1))
 
 
 def _engine_settings(llm) -> dict:
@@ -490,7 +491,7 @@ def machine(device, peak: float | None) -> dict:
 def write(report: dict, prefix: Path) -> tuple[Path, Path]:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     paths = (prefix.with_suffix(".json"), prefix.with_suffix(".md"))
-    for path, text in zip(paths, (json.dumps(_jsonable(report), indent=1, allow_nan=False), markdown(report))):
+    for path, text in zip(paths, (json.dumps(strict_json(report), indent=1, allow_nan=False), markdown(report))):
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text(text)
         os.replace(tmp, path)

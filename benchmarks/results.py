@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from storage_schemas import strict_json
+
 OPS = ("<=", ">=")
 
 
@@ -89,26 +91,12 @@ def markdown(report: dict) -> str:
     return "\n".join(head) + "\n"
 
 
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return _jsonable(obj.item())
-    if isinstance(obj, (str, int, float, bool)) or obj is None:
-        return obj
-    return str(obj)
-
-
 def write_report(report: dict, out_dir: str | os.PathLike, name: str = "latest") -> tuple[Path, Path]:
     """Write ``<name>.json`` and ``<name>.md`` atomically; returns both paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for suffix, text in ((".json", json.dumps(_jsonable(report), indent=1, allow_nan=False)), (".md", markdown(report))):
+    for suffix, text in ((".json", json.dumps(strict_json(report), indent=1, allow_nan=False)), (".md", markdown(report))):
         path = out / f"{name}{suffix}"
         tmp = out / f".{name}{suffix}.tmp{os.getpid()}"
         tmp.write_text(text)

@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +103,7 @@ def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.
                note=_columns_note(default, tokens, result) + f"; write {default['write_s']:.1f} s"),
         figure("storage_compact", "storage, compact (best compact setting, default zstd level)", best["bytes_per_token"],
                cfg.target, "<=", unit="B",
-               note=f"{best['name']}: " + _columns_note(best, tokens, result) + f"; encodings in the file: "
+               note=f"{best['name']}: " + _columns_note(best, tokens, result) + "; encodings in the file: "
                + ", ".join(f"{k} {v}" for k, v in best["encodings"].items()) + f"; write {best['write_s']:.1f} s. "
                + f"Other settings: {others}"),
         *_object_store_figures(result["object_store"]),

@@ -12,6 +12,7 @@ front end (Hydra in ``stages/``) lays under its YAML, which then only overrides.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, Iterable, Mapping, TypeVar
@@ -27,7 +28,11 @@ class UserError(Exception):
 
 
 class ConfigError(UserError, ValueError):
-    """One or more configuration problems; the message lists every one."""
+    """One or more configuration problems; the message lists every one (``problems``)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = list(problems) if problems is not None else [message]
 
 
 class MissingPathError(UserError, FileNotFoundError):
@@ -38,9 +43,15 @@ def raise_if(problems: list[str]) -> None:
     """Raise :class:`ConfigError` when there are ``problems``: one problem as one line, several
     listed one per line."""
     if len(problems) == 1:
-        raise ConfigError(problems[0])
+        raise ConfigError(problems[0], problems)
     if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(f"invalid configuration ({len(problems)} problems):\n  - " + "\n  - ".join(problems), problems)
+
+
+def nearest(word: str, choices: Iterable[str]) -> str:
+    """``"; did you mean <choice>?"`` for the choice closest to ``word``, or ``""``."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]}?" if match else ""
 
 
 def check_choice(problems: list[str], name: str, value: Any, choices: Iterable[str]) -> None:
@@ -63,23 +74,27 @@ def refuse(obj: Any) -> None:
 
 def build(cls: type[T], values: Mapping[str, Any] | None, where: str, problems: list[str], *,
           drop: Iterable[str] = (), rename: Mapping[str, str] | None = None,
-          assume: Iterable[str] = ()) -> T | None:
+          assume: Iterable[str] = (), also_known: Iterable[str] = ()) -> T | None:
     """Dataclass ``cls`` from ``values``; each problem is appended to ``problems`` as
     ``"<where>.<key>: ..."``. Keys in ``drop`` are ignored (they belong to another consumer);
     ``rename`` maps a key as written to its field name; fields in ``assume`` are not reported
-    missing (they were built elsewhere and failed there). Fields typed as a dataclass accept an
+    missing (they were built elsewhere and failed there); keys in ``also_known`` belong to another
+    dataclass read from the same group (listed among the known keys, never reported). Fields typed as a dataclass accept an
     instance or a mapping (built recursively). Returns None when anything is wrong."""
     rename = dict(rename or {})
     shown = {field: key for key, field in rename.items()}  # field name -> the key as written
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
+    drop = tuple(drop)
     values = {rename.get(k, k): v for k, v in (values or {}).items() if k not in set(drop)}
     prefix = f"{where}." if where else ""
     own: list[str] = []
 
-    known = sorted(shown.get(n, n) for n in fields)
+    known = sorted({shown.get(n, n) for n in (*fields, *drop, *also_known)})
     for key in sorted(set(values) - set(fields)):
-        own.append(f"{prefix}{shown.get(key, key)}: unknown key (known: {', '.join(known)})")
+        written = shown.get(key, key)
+        if written not in set(also_known):
+            own.append(f"{prefix}{written}: unknown key{nearest(written, known)} (known: {', '.join(known)})")
     for name, f in fields.items():
         if (name not in values and name not in set(assume) and f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING):

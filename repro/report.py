@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from repro.stats import INCONCLUSIVE, LEVEL, NOT_RUN, paired_test, t_quantile, verdict, weakest
+from repro.stats import LEVEL, NOT_RUN, paired_test, t_quantile, verdict, weakest
 
 README_START = "<!-- repro-table:start -->"
 README_END = "<!-- repro-table:end -->"

@@ -1,18 +1,40 @@
-"""Helpers shared by the Hydra entry points: config mappings into typed configs (:mod:`pipeline.config`),
-the defaults the YAML files override, one-line errors, and logging."""
+"""The one way every entry point is configured (the stages here, and the lab's ``benchmarks``,
+``repro`` and ``mutation``), and what they share: one-line errors, interrupts, logging.
+
+An entry point has a typed schema in code: frozen dataclasses whose defaults are the one place a
+default lives, with a ``problems()`` method each (:mod:`pipeline.config`). :func:`entry_point`
+registers the schema's defaults once in Hydra's ConfigStore as ``<config_name>_defaults``, the first
+entry of the YAML file's defaults list, so ``conf/<config_name>.yaml`` holds only what differs, and
+wraps the entry point's ``main``:
+
+1. before Hydra composes anything, every override on the command line is checked against the
+   composed configuration (:func:`override_problems`): a key that does not exist (with or without
+   ``+``, with the nearest known key), a preset that does not exist (with the list of presets);
+2. the entry point's own ``check`` (its typed config built with :func:`pipeline.config.build`) runs
+   on what remains, so that every mistake is reported in one message, exit status 2;
+3. ``main`` runs under :func:`exit_on_user_error`, and SIGINT / SIGTERM end it with one line and
+   exit status 130 / 143 (:func:`interrupts`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from typing import Any, TypeVar
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import ConfigError, UserError, build, raise_if  # noqa: F401  (stages import them from here)
+from pipeline.config import ConfigError, UserError, build, nearest, raise_if  # noqa: F401  (entry points import them from here)
 from storage_schemas import ContractError
 from storage_schemas.reader import DocumentNotFoundError
 
 T = TypeVar("T")
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def _dataset_dir(root: str, corpus: str, teacher: str) -> str:
@@ -32,41 +54,67 @@ def plain(cfg: DictConfig | dict, key: str | None = None) -> dict:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
-def typed(cls: type[T], values: dict[str, Any], where: str, problems: list[str], drop: tuple[str, ...] = ()) -> T | None:
-    """Build dataclass ``cls`` from ``values`` (:func:`pipeline.config.build`); problems are appended."""
-    return build(cls, values, where, problems, drop=drop)
-
-
 def register_defaults(name: str, tree: dict) -> None:
-    """Make a stage's defaults (taken from its typed configs) the first entry of its YAML's
+    """Make an entry point's defaults (taken from its typed configs) the first entry of its YAML's
     defaults list, so the YAML only overrides and every key can be overridden without ``+``."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name=name, node=tree)
 
 
+# ---------------------------------------------------------------------------------------------
+# Errors and interrupts
+
 # The project's own errors about what the user gave. The contract package depends on nothing but
 # pyarrow, so its errors (a bad shard, a document id not in the dataset) are named here.
 USER_ERRORS = (UserError, ContractError, DocumentNotFoundError)
+INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # the shells' exit statuses for them
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; raised in the main thread so that every ``finally`` runs (locks
+    released, temporary files removed) before the entry point exits."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupts() -> Iterator[None]:
+    """SIGTERM behaves as SIGINT does: an exception in the main thread (:class:`Interrupted`)."""
+    def raise_interrupted(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, raise_interrupted) for s in INTERRUPTED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def exit_on_user_error(fn):
-    """The project's user errors (:class:`pipeline.config.UserError`) end the stage with one clear
-    line and exit code 2, no traceback (set VOCAGNO_TRACEBACK=1 to see it). Everything else (CUDA,
-    NCCL and Ray errors, a bug) propagates with its traceback and another exit code."""
-    import functools
-    import os
-    import sys
+    """The project's user errors (:class:`pipeline.config.UserError`) end the entry point with one
+    clear line and exit status 2, no traceback (VOCAGNO_TRACEBACK=1 shows it); an interrupt ends it
+    with one line and 130 (SIGINT) or 143 (SIGTERM). Everything else (CUDA, NCCL and Ray errors, a
+    bug) propagates with its traceback and another exit status."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with interrupts():
+                return fn(*args, **kwargs)
         except USER_ERRORS as exc:
             if os.environ.get("VOCAGNO_TRACEBACK"):
                 raise
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(2)
+        except KeyboardInterrupt as exc:
+            signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+            print(f"interrupted ({signal.Signals(signum).name}): stopped; what was finished is kept and marked "
+                  "complete, nothing half-written is; the same command resumes", file=sys.stderr)
+            sys.exit(INTERRUPTED[signum])
 
     return wrapper
 
@@ -74,3 +122,123 @@ def exit_on_user_error(fn):
 def quiet_libraries() -> None:
     for name in ("transformers", "datasets", "ray", "filelock", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+def entry_point(config_name: str, defaults: dict | None, check: Callable[[DictConfig], Any],
+                config_dir: Path = CONF_DIR):
+    """Decorate an entry point's ``main(cfg)``: register ``defaults`` (its typed schema's, see
+    :func:`pipeline.config.defaults`) once as ``<config_name>_defaults``; on the command line, check
+    every override and the whole config (``check`` raises :class:`ConfigError`) before Hydra runs
+    ``main``, and report every problem at once (module docstring)."""
+    import hydra
+
+    if defaults is not None:
+        register_defaults(f"{config_name}_defaults", defaults)
+
+    def decorate(main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+        hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir), config_name=config_name)(
+            exit_on_user_error(main))
+
+        @functools.wraps(main)
+        def run() -> Any:
+            exit_on_user_error(check_command_line)(config_dir, config_name, sys.argv[1:], check)
+            return hydra_main()
+
+        run.check = check
+        return run
+
+    return decorate
+
+
+def check_command_line(config_dir: Path, config_name: str, args: list[str], check: Callable[[DictConfig], Any]) -> None:
+    """Raise one :class:`ConfigError` listing every problem of the command line's overrides and of
+    the configuration they compose (``check``'s), or return."""
+    overrides = [a for a in args if not a.startswith("-")]
+    if any(a in ("-m", "--multirun", "--help", "-h", "--hydra-help", "--info") or a.startswith("--cfg") for a in args):
+        return  # Hydra's own modes: left to Hydra
+    problems, cfg = override_problems(config_dir, config_name, overrides)
+    if not problems:
+        return  # the entry point checks the config itself, with the files and the environment it sees then
+    if cfg is not None:
+        try:
+            check(cfg)
+        except ConfigError as exc:
+            problems += [p for p in exc.problems if p not in problems]
+    raise_if(problems)
+
+
+def override_problems(config_dir: Path, config_name: str, overrides: list[str]) -> tuple[list[str], DictConfig | None]:
+    """Problems of ``overrides`` against the config they change, and the config composed from the
+    overrides that have none (None when even that fails to compose)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        return [f"command line: {str(exc).splitlines()[0]}"], None
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        groups = set(loader.list_groups("")) - {"hydra"}
+        problems: list[str] = []
+        kept_groups = []
+        for o in parsed:
+            if o.key_or_group.startswith("hydra") or o.key_or_group not in groups:
+                continue
+            options = loader.get_group_options(o.key_or_group)
+            value = o.value()
+            if o.is_delete() or value is None or value in options:
+                kept_groups.append(o.input_line)
+            else:
+                problems.append(f"{o.key_or_group}: {value!r} is not a preset{nearest(str(value), options)} "
+                                f"(presets: {', '.join(options)}, in {config_dir.name}/{o.key_or_group}/)")
+        try:
+            base = compose(config_name=config_name, overrides=kept_groups)
+        except (HydraException, OmegaConfBaseException) as exc:
+            return problems + [f"config: {_first_line(exc)}"], None
+        kept = list(kept_groups)
+        for o in parsed:
+            if o.key_or_group.startswith("hydra") or o.key_or_group in groups:
+                continue
+            exists = OmegaConf.select(base, o.key_or_group, default=_ABSENT, throw_on_resolution_failure=False) is not _ABSENT
+            if o.is_add() and exists:
+                kept.append(o.input_line[1:])  # Hydra refuses + on a key that exists: set it
+            elif not exists and not o.is_add() and not o.is_force_add() and not o.is_delete():
+                problems.append(unknown_key(base, o.key_or_group))
+            else:
+                kept.append(o.input_line)
+        try:
+            cfg = compose(config_name=config_name, overrides=kept)
+        except (HydraException, OmegaConfBaseException) as exc:
+            return problems + [f"command line: {_first_line(exc)}"], None
+    GlobalHydra.instance().clear()
+    return problems, cfg
+
+
+_ABSENT = object()
+
+
+def unknown_key(cfg: DictConfig, key: str) -> str:
+    """``<key>: unknown key`` with the nearest key at its level and every key there."""
+    parts = key.split(".")
+    node, depth = cfg, 0
+    while depth < len(parts) - 1 and isinstance(node, DictConfig) and parts[depth] in node:
+        node, depth = node[parts[depth]], depth + 1
+    where = ".".join(parts[:depth])
+    known = sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
+    shown = [f"{where}.{k}" if where else k for k in known]
+    text = f"{key}: unknown key{nearest(key, shown)}"
+    return text + (f" (known{' in ' + where if where else ''}: {', '.join(shown)})" if shown else "")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__

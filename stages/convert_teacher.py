@@ -9,25 +9,25 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
-import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
 from pipeline.config import defaults
 from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
 from pipeline.model_source import check_teacher_source, convert_to_safetensors
-from stages.common import build, exit_on_user_error, plain, quiet_libraries, raise_if, register_defaults
+from stages.common import build, entry_point, plain, quiet_libraries, raise_if
 
-register_defaults("convert_teacher_defaults", {"teacher": defaults(TeacherConfig)})
-
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="convert_teacher")
-@exit_on_user_error
-def main(cfg: DictConfig) -> None:
-    quiet_libraries()
+def teacher_config(cfg: DictConfig) -> TeacherConfig:
     problems: list[str] = []
     teacher = build(TeacherConfig, plain(cfg, "teacher"), "teacher", problems, drop=TEACHER_RECIPE_KEYS)
     raise_if(problems)
+    return teacher
+
+
+@entry_point("convert_teacher", {"teacher": defaults(TeacherConfig)}, check=teacher_config)
+def main(cfg: DictConfig) -> None:
+    quiet_libraries()
+    teacher = teacher_config(cfg)
     check_teacher_source(replace(teacher, allow_bin=True))
     out = convert_to_safetensors(teacher.model, to_absolute_path(cfg.out_dir), revision=teacher.revision,
                                  trust_remote_code=teacher.trust_remote_code)

@@ -20,10 +20,8 @@ from omegaconf import DictConfig
 from pipeline.score_teacher.job import JobSummary, ScoreJobConfig, config_defaults, run_score_job, score_job_config
 from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from pipeline.model_source import check_teacher_source
-from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, register_defaults
+from stages.common import ConfigError, entry_point, plain, quiet_libraries
 from storage_schemas.filesystem import join
-
-register_defaults("score_teacher_defaults", config_defaults())
 
 log = logging.getLogger("score_teacher")
 
@@ -88,8 +86,7 @@ def print_summary(s: JobSummary) -> None:
     console.print(one_liner, markup=False, highlight=False, soft_wrap=True)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="score_teacher")
-@exit_on_user_error
+@entry_point("score_teacher", config_defaults(), check=job_config)
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)

@@ -14,15 +14,12 @@ import logging
 import sys
 from pathlib import Path
 
-import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
 from pipeline.train_student.run import TrainJobConfig, TrainSummary, config_defaults, run_training, train_job_config
-from stages.common import ConfigError, exit_on_user_error, plain, quiet_libraries, register_defaults
+from stages.common import ConfigError, entry_point, plain, quiet_libraries
 from storage_schemas import write_json_atomic
-
-register_defaults("train_student_defaults", config_defaults())
 
 log = logging.getLogger("train_student")
 
@@ -82,8 +79,7 @@ def print_summary(s: TrainSummary) -> None:
                   f"TensorBoard: tensorboard --logdir {Path(s.output_dir) / 'runs'}", markup=False, highlight=False)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train_student")
-@exit_on_user_error
+@entry_point("train_student", config_defaults(), check=job_config)
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg, check_files=True)

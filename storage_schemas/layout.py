@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -91,6 +92,22 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
         if not SHARD_RE.match(name):  # plain file names only: nothing can point outside the folder
             raise ContractError(f"{path}: shard entry {name!r} is not a shard file name of this folder")
     return manifest
+
+
+def strict_json(obj: Any) -> Any:
+    """``obj`` made strict JSON: NaN and infinities to null, NumPy scalars to Python numbers, keys
+    to strings, tuples to lists, anything else unknown to its ``str``."""
+    if isinstance(obj, dict):
+        return {str(k): strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and not isinstance(obj, (str, bytes)):
+        obj = obj.item()  # a NumPy scalar
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:

@@ -111,7 +111,7 @@ def table_problems(table: pa.Table | pa.RecordBatch, rules: RowRules = RowRules(
     later = ~first
     with np.errstate(invalid="ignore"):
         checks: list[tuple[str, str, np.ndarray]] = [
-            (ERROR, f"span outside the text of length {{}}", (starts < 0) | (ends > limit)),
+            (ERROR, "span outside the text of length {}", (starts < 0) | (ends > limit)),
             (ERROR, "span ends before it starts", ends < starts),
             (ERROR, "starts decrease", later & (np.r_[False, np.diff(starts) < 0] if total else first)),
             (ERROR, "empty text slice for a non-special token",

@@ -35,7 +35,6 @@ without a dataset); every file written is printed. ``path`` may be a local folde
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Callable
@@ -45,6 +44,7 @@ from rich.markup import escape
 
 from pipeline.alignment import AGGREGATIONS
 from storage_schemas import filesystem as sfs
+from storage_schemas import strict_json
 
 Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute (the stage passes Hydra's)
 
@@ -111,24 +111,11 @@ def _local(source: str | None, resolve: Resolve = Path) -> str | None:
     return source
 
 
-def _jsonable(obj):
-    """NaN and infinities to null, numpy scalars to Python: strict JSON."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
 def write_json(path: Path, obj, console: Console) -> Path | None:
     """Write ``obj`` as JSON; a folder that cannot be written is a warning, not a failure."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_jsonable(obj), indent=1, ensure_ascii=False) + "\n")
+        path.write_text(json.dumps(strict_json(obj), indent=1, ensure_ascii=False) + "\n")
     except OSError as exc:
         problem = escape(f"could not write {path} ({exc}); set out_dir=<a writable folder>")
         console.print(f"[yellow]{problem}[/yellow]")

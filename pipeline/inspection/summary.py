@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import polars as pl
 
 from pipeline.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram, loss_histogram_query, merge_bins

@@ -142,7 +142,7 @@ def score_job_config(values: Mapping) -> ScoreJobConfig:
         **{name: build(cls, values.get(name), name, problems) for name, cls in GROUPS.items()
            if name not in ("teacher", "data")},
     }
-    teacher, corpus = parts["teacher"], parts["corpus"]
+    corpus = parts["corpus"]
     if not teacher_values.get("embedded"):  # from the values as written: a bad value beside them does not hide them
         problems += local_path_problems(teacher_values.get("model"), teacher_values.get("tokenizer"))
     if corpus is not None and not data_values.get("embedded"):

@@ -228,7 +228,7 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
         "train": build(TrainConfig, values.get("train"), "train", problems),
         "selection": build(SelectionConfig, {k: v for k, v in loss.items() if k in selection_keys}, "loss", problems),
         "alignment": build(AlignmentConfig, {k: v for k, v in loss.items() if k not in selection_keys}, "loss",
-                           problems, rename=LOSS_ALIGNMENT_KEYS),
+                           problems, rename=LOSS_ALIGNMENT_KEYS, also_known=selection_keys),
     }
     top = {k: v for k, v in values.items() if k not in ("student", "data", "train", "loss", *FRONT_END_KEYS)}
     job = build(TrainJobConfig, {**top, **{k: v for k, v in parts.items() if v is not None}}, "", problems,

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
