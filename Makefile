@@ -76,7 +76,7 @@ eval-student: setup
 	$(PY) -m stages.eval_student $(ARGS)
 
 compare: setup
-	$(PY) -m stages.compare $(ARGS)
+	$(PY) -m stages.compare_evals $(ARGS)
 
 # The paper's claims at toy scale (stage 1 + stage 2 + evaluation, 3 seeds): repro-results/report.md
 repro: setup

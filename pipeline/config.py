@@ -57,7 +57,7 @@ def nearest(word: str, choices: Iterable[str]) -> str:
 def check_choice(problems: list[str], name: str, value: Any, choices: Iterable[str]) -> None:
     choices = tuple(choices)
     if value not in choices:
-        problems.append(f"{name}: {value!r} is not one of {', '.join(choices)}")
+        problems.append(f"{name}: {value!r} is not one of {', '.join(choices)}{nearest(str(value), choices)}")
 
 
 def check_at_least(problems: list[str], name: str, value: Any, low: int) -> None:

@@ -12,39 +12,36 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.evaluation.generation import GenerationConfig
-from pipeline.evaluation.run import FEWSHOT_SOURCES, EvalJobConfig, TaskInput, run_evaluation
+from pipeline.config import defaults
+from pipeline.evaluation.generation import GenerationConfig, GenerationSettings
+from pipeline.evaluation.run import EvalJobConfig, EvalSettings, TaskInput, run_evaluation
 from pipeline.evaluation.tasks import TASKS
-from stages.common import exit_on_user_error, plain, quiet_libraries, raise_if, typed
+from stages.common import build, entry_point, plain, quiet_libraries, raise_if
 
-BACKENDS = ("transformers", "vllm")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 def job_config(cfg: DictConfig) -> EvalJobConfig:
     """The typed job; every problem of the configuration is reported at once."""
     problems: list[str] = []
-    checkpoint = _checkpoint(cfg.checkpoint, problems)
-    tasks = _task_inputs(cfg, problems)
-    generation = typed(GenerationConfig, {**plain(cfg, "generation"), "model": checkpoint, "revision": cfg.revision},
-                       "generation", problems)
-    if generation is not None:
-        problems += _generation_problems(generation)
-    problems += _count_problems(cfg)
-    if cfg.fewshot_source not in FEWSHOT_SOURCES:
-        problems.append(f"fewshot_source: {cfg.fewshot_source!r} is not one of {', '.join(FEWSHOT_SOURCES)}")
+    values = plain(cfg)
+    settings = build(EvalSettings, values, "", problems, drop=("hydra",))
+    checkpoint = _checkpoint(values.get("checkpoint"), problems)  # from the values as written: every problem at once
+    tasks = _task_inputs(values, problems)
     raise_if(problems)
-    label = cfg.label or run_name(checkpoint)
-    out_dir = to_absolute_path(cfg.out_dir) if cfg.out_dir else to_absolute_path(str(Path(cfg.eval_root) / label))
-    return EvalJobConfig(generation=generation, tasks=tasks, output_dir=out_dir, num_fewshot=cfg.num_fewshot,
-                         fewshot_source=cfg.fewshot_source, limit=cfg.limit, label=label, progress=bool(cfg.progress))
+    generation = GenerationConfig(**{f.name: getattr(settings.generation, f.name) for f in fields(GenerationSettings)},
+                                  model=checkpoint, revision=settings.revision)
+    label = settings.label or run_name(checkpoint)
+    out_dir = to_absolute_path(settings.out_dir) if settings.out_dir else to_absolute_path(str(Path(settings.eval_root) / label))
+    return EvalJobConfig(generation=generation, tasks=tasks, output_dir=out_dir, num_fewshot=settings.num_fewshot,
+                         fewshot_source=settings.fewshot_source, limit=settings.limit, label=label,
+                         progress=settings.progress)
 
 
 def _checkpoint(checkpoint: str | None, problems: list[str]) -> str:
@@ -60,8 +57,9 @@ def _checkpoint(checkpoint: str | None, problems: list[str]) -> str:
     return str(checkpoint)
 
 
-def _task_inputs(cfg: DictConfig, problems: list[str]) -> list[TaskInput]:
-    names = list(cfg.tasks) if cfg.tasks is not None else []
+def _task_inputs(values: dict, problems: list[str]) -> list[TaskInput]:
+    names = [str(t) for t in values.get("tasks") or []]
+    data_files, fewshot_files = values.get("data_files") or {}, values.get("fewshot_files") or {}
     unknown = [t for t in names if t not in TASKS]
     if not names:
         problems.append("tasks: give at least one task")
@@ -71,14 +69,14 @@ def _task_inputs(cfg: DictConfig, problems: list[str]) -> list[TaskInput]:
         problems.append(f"tasks: {names} repeats a task")
     inputs = []
     for name in (t for t in dict.fromkeys(names) if t in TASKS):
-        data = _task_file(cfg.data_files[name], cfg.data_dir, name)
-        fewshot = _task_file(cfg.fewshot_files[name], cfg.fewshot_dir, name)
+        data = _task_file(data_files.get(name), values.get("data_dir"), name)
+        fewshot = _task_file(fewshot_files.get(name), values.get("fewshot_dir"), name)
         if data is None:
             problems.append(f"{name}: no task file (data_files.{name}=<file.jsonl> or data_dir=<dir with {name}.jsonl>)")
         elif not Path(data).is_file():
             problems.append(f"{name}: task file not found: {data}")
         if fewshot is not None and not Path(fewshot).is_file():
-            if cfg.fewshot_files[name] is not None:
+            if fewshot_files.get(name) is not None:
                 problems.append(f"{name}: few-shot file not found: {fewshot}")
             else:
                 fewshot = None  # fewshot_dir need not hold every task
@@ -90,29 +88,6 @@ def _task_file(explicit: str | None, folder: str | None, task: str) -> str | Non
     if explicit:
         return to_absolute_path(explicit)
     return to_absolute_path(str(Path(folder) / f"{task}.jsonl")) if folder else None
-
-
-def _generation_problems(g: GenerationConfig) -> list[str]:
-    problems = []
-    if g.backend not in BACKENDS:
-        problems.append(f"generation.backend: {g.backend!r} is not one of {', '.join(BACKENDS)}")
-    if g.dtype not in DTYPES:
-        problems.append(f"generation.dtype: {g.dtype!r} is not one of {', '.join(DTYPES)}")
-    for key in ("batch_size", "max_new_tokens"):
-        if not (isinstance(getattr(g, key), int) and getattr(g, key) >= 1):
-            problems.append(f"generation.{key}: {getattr(g, key)!r} must be a positive integer")
-    if g.cpu_threads is not None and not (isinstance(g.cpu_threads, int) and g.cpu_threads >= 1):
-        problems.append(f"generation.cpu_threads: {g.cpu_threads!r} must be null or a positive integer")
-    return problems
-
-
-def _count_problems(cfg: DictConfig) -> list[str]:
-    problems = []
-    if cfg.num_fewshot is not None and not (isinstance(cfg.num_fewshot, int) and cfg.num_fewshot >= 0):
-        problems.append(f"num_fewshot: {cfg.num_fewshot!r} must be null or an integer >= 0")
-    if cfg.limit is not None and not (isinstance(cfg.limit, int) and cfg.limit >= 1):
-        problems.append(f"limit: {cfg.limit!r} must be null or a positive integer")
-    return problems
 
 
 def run_name(checkpoint: str) -> str:
@@ -146,8 +121,7 @@ def print_result(record: dict, out_dir: str) -> None:
     console.print(f"Wrote {Path(out_dir) / 'eval.json'}, eval.md, samples.jsonl", markup=False, highlight=False)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="eval_student")
-@exit_on_user_error
+@entry_point("eval_student", defaults(EvalSettings), check=job_config)
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)

@@ -150,8 +150,19 @@ def test_a_stage_with_several_config_errors_exits_2_listing_each(stage, errors, 
     assert not (tmp_path / "out").exists() and not (tmp_path / "artifacts").exists()
 
 
-def test_every_primary_config_composes():
-    """Primary configs of other stages compose with their defaults too."""
-    for primary in sorted(p.stem for p in CONF.glob("*.yaml")):
-        cfg = _compose(primary, [])
-        assert OmegaConf.to_container(cfg, resolve=False)
+# Every primary config and the entry point that registers its defaults (one pattern for all).
+ENTRY_POINTS = {"score_teacher": "stages.score_teacher", "train_student": "stages.train_student",
+                "convert_teacher": "stages.convert_teacher", "eval_student": "stages.eval_student",
+                "compare_evals": "stages.compare_evals", "bench": "benchmarks.__main__", "gpu_bench": "benchmarks.gpu",
+                "repro": "repro.__main__", "mutation": "mutation.__main__"}
+
+
+@pytest.mark.parametrize("primary", sorted(p.stem for p in CONF.glob("*.yaml")))
+def test_every_primary_config_composes_over_its_entry_points_defaults(primary):
+    import importlib
+
+    assert primary in ENTRY_POINTS, f"conf/{primary}.yaml has no entry point"
+    module = importlib.import_module(ENTRY_POINTS[primary])
+    assert hasattr(module.main, "check"), f"{ENTRY_POINTS[primary]}.main is not an entry_point"
+    cfg = _compose(primary, [])
+    assert OmegaConf.to_container(cfg, resolve=False)

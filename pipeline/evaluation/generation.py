@@ -14,26 +14,44 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, check_at_least, check_choice
 from pipeline.evaluation.tasks import cut_at_stop
 from pipeline.model_source import resolve_device
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    model: str  # a local folder or a hub id
-    backend: str = "transformers"  # transformers | vllm
-    revision: str | None = None
+BACKENDS = ("transformers", "vllm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationSettings:
+    """How a checkpoint generates (the ``generation`` group of ``make eval-student``)."""
+
+    backend: str = "transformers"  # transformers (CPU or GPU) | vllm (GPU, where vllm is installed)
     dtype: str = "auto"  # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N (transformers backend)
-    batch_size: int = 8
+    batch_size: int = 8  # prompts per generate call (transformers; vLLM schedules its own batches)
     max_new_tokens: int = 256
     seed: int = 0
-    cpu_threads: int | None = 2  # torch threads on CPU (null: torch's default)
+    cpu_threads: int | None = 2  # torch threads on CPU (None: torch's default, all cores)
     trust_remote_code: bool = False
     vllm: dict = field(default_factory=dict)  # extra vllm.LLM arguments (gpu_memory_utilization, tensor_parallel_size, ...)
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "backend", self.backend, BACKENDS)
+        check_choice(found, "dtype", self.dtype, DTYPES)
+        for key in ("batch_size", "max_new_tokens", "cpu_threads"):
+            check_at_least(found, key, getattr(self, key), 1)
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig(GenerationSettings):
+    model: str  # a local folder or a hub id
+    revision: str | None = None
 
 
 class Generator(Protocol):

@@ -15,11 +15,11 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import ConfigError, MissingPathError
-from pipeline.evaluation.generation import GenerationConfig, Generator, make_generator
+from pipeline.config import ConfigError, MissingPathError, check_at_least, check_choice
+from pipeline.evaluation.generation import GenerationConfig, GenerationSettings, Generator, make_generator
 from pipeline.provenance import WEIGHT_SUFFIXES, code_version, digest_files
 from pipeline.evaluation.tasks import (
     TASKS,
@@ -47,6 +47,44 @@ class TaskInput:
     name: str
     data_file: str
     fewshot_file: str | None = None
+
+
+def _per_task() -> dict[str, str | None]:
+    return {name: None for name in TASKS}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """``make eval-student``'s settings as ``conf/eval_student.yaml`` lays them out (it overrides
+    them); :class:`EvalJobConfig` is what the run gets. Task files are local JSONL,
+    ``{"question": ..., "answer": ...}`` per line."""
+
+    checkpoint: str | None = None  # a local checkpoint folder (train-student's final/ or checkpoint-N/) or a hub id
+    revision: str | None = None  # hub revision
+    label: str | None = None  # the name shown by make compare (None: derived from the checkpoint)
+    tasks: tuple[str, ...] = ("gsm8k",)
+    data_dir: str | None = None  # <data_dir>/<task>.jsonl for every task without a file in data_files
+    data_files: dict[str, str | None] = field(default_factory=_per_task)  # one file per task; overrides data_dir
+    num_fewshot: int | None = None  # None: each task's default (8 for GSM8K-like, 4 for the others); 0: zero-shot
+    fewshot_source: str = "auto"  # auto: the few-shot file if given, else lm-evaluation-harness's exemplars | file | lm_eval
+    fewshot_dir: str | None = None  # <fewshot_dir>/<task>.jsonl, same form as the task files
+    fewshot_files: dict[str, str | None] = field(default_factory=_per_task)  # overrides fewshot_dir
+    limit: int | None = None  # evaluate the first N problems of each task (None: all)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    eval_root: str = "outputs/eval"
+    out_dir: str | None = None  # None: <eval_root>/<label or a name derived from the checkpoint>
+    progress: bool = True
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "fewshot_source", self.fewshot_source, FEWSHOT_SOURCES)
+        check_at_least(found, "num_fewshot", self.num_fewshot, 0)
+        check_at_least(found, "limit", self.limit, 1)
+        for key in ("data_files", "fewshot_files"):
+            unknown = sorted(set(getattr(self, key)) - set(TASKS))
+            if unknown:
+                found.append(f"{key}: unknown task(s) {', '.join(unknown)} (known: {', '.join(TASKS)})")
+        return found
 
 
 @dataclass(frozen=True)

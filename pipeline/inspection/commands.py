@@ -1,6 +1,6 @@
 """The inspection commands behind ``make inspect`` (``command=``), one function each, on a config
-composed from ``conf/inspect/inspect.yaml``. :func:`config_problems` lists what is wrong with a
-config, all at once; :func:`run` runs the command and returns the exit status (1: validation found
+composed from ``conf/inspect/inspect.yaml`` and typed by :func:`inspect_config` (every problem at
+once); :func:`run` runs the command and returns the exit status (1: validation found
 errors). The stage only composes and checks the config.
 
 Commands (``command=``):
@@ -36,13 +36,17 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from rich.console import Console
 from rich.markup import escape
 
 from pipeline.alignment import AGGREGATIONS
+from pipeline.config import build, check_at_least, check_choice, raise_if
+from pipeline.inspection.summary import DEFAULT_QUANTILES
+from pipeline.loss_histogram import DEFAULT_BIN_WIDTH
 from storage_schemas import filesystem as sfs
 from storage_schemas import strict_json
 
@@ -64,33 +68,114 @@ def default_out_dir(folder) -> Path:
     return Path(folder) / INSPECT_DIR
 
 
-def config_problems(cfg) -> list[str]:
-    """Every problem of the configuration (an ``inspect.yaml`` composed with the user's overrides)."""
+@dataclass(frozen=True)
+class SummarySettings:
+    top_k: int = 10  # highest- and lowest-mean-loss documents listed
+    min_tokens: int = 16  # ...among documents with at least this many teacher tokens
+    quantiles: tuple[float, ...] = DEFAULT_QUANTILES
+    bin_width: float = DEFAULT_BIN_WIDTH  # loss histogram bin (nats): quantiles are exact to within one bin
+    show_document: bool = True  # print one document coloured by loss, and its highest-loss tokens
+    max_chars: int = 3000
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        if not all(0.0 <= q <= 1.0 for q in self.quantiles):
+            found.append(f"quantiles: {list(self.quantiles)} must lie in [0, 1]")
+        if self.bin_width <= 0:
+            found.append(f"bin_width: {self.bin_width} must be > 0")
+        check_at_least(found, "top_k", self.top_k, 1)
+        check_at_least(found, "min_tokens", self.min_tokens, 0)
+        check_at_least(found, "max_chars", self.max_chars, 1)
+        return found
+
+
+@dataclass(frozen=True)
+class ValidateSettings:
+    checksums: bool = True  # sha256 of every shard against the manifest (reads every byte)
+    special_ids: str | list[int] = "auto"  # ids whose empty text slice is legal; auto: the teacher tokenizer's
+    max_lines: int = 200  # problems printed (all of them go to validation.json)
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        if isinstance(self.special_ids, str) and self.special_ids != "auto":
+            found.append(f"special_ids: {self.special_ids!r} is not auto or a list of token ids")
+        check_at_least(found, "max_lines", self.max_lines, 1)
+        return found
+
+
+@dataclass(frozen=True)
+class AlignSettings:
+    how: str = "max"  # aggregation of teacher losses per student token
+    chunk_counts: tuple[int, ...] = (1, 4, 16, 64, 256)
+    limit_docs: int | None = 2000  # documents aligned (null: all of them)
+    write_aligned: bool = False  # write <out_dir>/aligned/<student>/shard-NNNNNN.parquet
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_choice(found, "how", self.how, AGGREGATIONS)
+        if not all(n >= 1 for n in self.chunk_counts):
+            found.append(f"chunk_counts: {list(self.chunk_counts)} must be positive integers")
+        check_at_least(found, "limit_docs", self.limit_docs, 1)
+        return found
+
+
+@dataclass(frozen=True)
+class HtmlSettings:
+    max_chars: int = 20000  # characters shown per document
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        check_at_least(found, "max_chars", self.max_chars, 1)
+        return found
+
+
+@dataclass(frozen=True)
+class TwoTeachersSettings:
+    ratio: float = 0.4  # each teacher's top share (lowest L_t for a flat student); uses align.how and align.limit_docs
+
+    def problems(self) -> list[str]:
+        return [] if 0.0 < self.ratio <= 1.0 else [f"ratio: {self.ratio} is not in (0, 1]"]
+
+
+@dataclass(frozen=True)
+class InspectConfig:
+    """``make inspect``'s settings (``conf/inspect/inspect.yaml`` overrides them)."""
+
+    command: str = "summary"
+    path: str | None = None  # the scored dataset folder (manifest.json + shard-NNNNNN.parquet)
+    other: str | None = None  # two-teachers: the same corpus scored by a second teacher
+    out_dir: str | None = None  # None: <path>/inspect (vocab-overlap without a path: outputs/inspect/vocab-overlap)
+    teacher: str | None = None  # vocab-overlap: hub id, folder, .gguf or SentencePiece .model; None: the dataset's
+    student: str | None = None  # the student tokenizer (same forms)
+    doc: str | int | None = None  # summary/html: a doc_id to show; None: the first document
+    progress: bool = True
+    summary: SummarySettings = field(default_factory=SummarySettings)
+    validate: ValidateSettings = field(default_factory=ValidateSettings)
+    align: AlignSettings = field(default_factory=AlignSettings)
+    html: HtmlSettings = field(default_factory=HtmlSettings)
+    two_teachers: TwoTeachersSettings = field(default_factory=TwoTeachersSettings)
+
+    def problems(self) -> list[str]:
+        """What the settings of one command need of the others."""
+        problems: list[str] = []
+        check_choice(problems, "command", self.command, COMMANDS)
+        if self.command in NEEDS_PATH and not self.path:
+            problems.append(f"path: command={self.command} needs path=<scored dataset folder>")
+        if self.command in NEEDS_STUDENT and not self.student:
+            problems.append(f"student: command={self.command} needs student=<tokenizer>")
+        if self.command == "vocab-overlap" and not (self.teacher or self.path):
+            problems.append("teacher: command=vocab-overlap needs teacher=<tokenizer> (or path=<dataset> to use its teacher's)")
+        if self.command == "two-teachers" and not self.other:
+            problems.append("other: command=two-teachers needs other=<the second teacher's scored dataset folder>")
+        return problems
+
+
+def inspect_config(values: Mapping) -> InspectConfig:
+    """The typed settings from a composed config (plain mapping); every problem in one :class:`ConfigError`."""
     problems: list[str] = []
-    if cfg.command not in COMMANDS:
-        problems.append(f"command: {cfg.command!r} is not one of {', '.join(COMMANDS)}")
-    if cfg.command in NEEDS_PATH and not cfg.path:
-        problems.append(f"path: command={cfg.command} needs path=<scored dataset folder>")
-    if cfg.command in NEEDS_STUDENT and not cfg.student:
-        problems.append(f"student: command={cfg.command} needs student=<tokenizer>")
-    if cfg.command == "vocab-overlap" and not (cfg.teacher or cfg.path):
-        problems.append("teacher: command=vocab-overlap needs teacher=<tokenizer> (or path=<dataset> to use its teacher's)")
-    if cfg.command == "two-teachers" and not cfg.other:
-        problems.append("other: command=two-teachers needs other=<the second teacher's scored dataset folder>")
-    if cfg.command == "two-teachers" and not 0.0 < cfg.two_teachers.ratio <= 1.0:
-        problems.append(f"two_teachers.ratio: {cfg.two_teachers.ratio} is not in (0, 1]")
-    align = {k: cfg.align[k] for k in ("how", "chunk_counts", "limit_docs")}
-    if align["how"] not in AGGREGATIONS:
-        problems.append(f"align.how: {align['how']!r} is not one of {', '.join(AGGREGATIONS)}")
-    if not all(isinstance(n, int) and n >= 1 for n in align["chunk_counts"]):
-        problems.append(f"align.chunk_counts: {align['chunk_counts']} must be positive integers")
-    if align["limit_docs"] is not None and not (isinstance(align["limit_docs"], int) and align["limit_docs"] >= 1):
-        problems.append(f"align.limit_docs: {align['limit_docs']!r} must be null or a positive integer")
-    if not all(0.0 <= q <= 1.0 for q in cfg.summary.quantiles):
-        problems.append(f"summary.quantiles: {list(cfg.summary.quantiles)} must lie in [0, 1]")
-    if cfg.summary.bin_width <= 0:
-        problems.append(f"summary.bin_width: {cfg.summary.bin_width} must be > 0")
-    return problems
+    cfg = build(InspectConfig, values, "", problems, drop=("hydra",))
+    raise_if(problems)
+    return replace(cfg, doc=None if cfg.doc is None else str(cfg.doc))
 
 
 def tokenizer_slug(source: str) -> str:
@@ -132,7 +217,7 @@ def _dataset_location(path: str, resolve: Resolve):
 class Context:
     """What every command needs: the config, the console, the dataset and the output folder."""
 
-    def __init__(self, cfg, console: Console, resolve: Resolve = Path):
+    def __init__(self, cfg: InspectConfig, console: Console, resolve: Resolve = Path):
         self.cfg = cfg
         self.console = console
         self.resolve = resolve
@@ -363,6 +448,6 @@ COMMANDS: dict[str, Callable[[Context], int]] = {
 }
 
 
-def run(cfg, console: Console | None = None, resolve: Resolve = Path) -> int:
-    """Run the command of ``cfg``, a config without :func:`config_problems`; returns the exit status."""
+def run(cfg: InspectConfig, console: Console | None = None, resolve: Resolve = Path) -> int:
+    """Run the command of ``cfg``; returns the exit status."""
     return COMMANDS[cfg.command](Context(cfg, console or Console(soft_wrap=True), resolve))

@@ -57,7 +57,7 @@ def test_runs_on_different_problems_are_refused_or_flagged(runs, tmp_path):
 
 def test_compare_stage(runs, tmp_path):
     out = tmp_path / "cmp"
-    ok = subprocess.run([sys.executable, "-m", "stages.compare", f"runs=[{runs['long']},{runs['short']}]",
+    ok = subprocess.run([sys.executable, "-m", "stages.compare_evals", f"runs=[{runs['long']},{runs['short']}]",
                          "labels=[base,guided]", f"out_dir={out}", f"hydra.run.dir={tmp_path / 'logs'}"],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr[-2000:]
@@ -66,7 +66,7 @@ def test_compare_stage(runs, tmp_path):
 
 
 def test_compare_refusals_are_one_line(runs, tmp_path):
-    refused = subprocess.run([sys.executable, "-m", "stages.compare", f"runs=[{runs['long']},{runs['fewer']},{tmp_path}]",
+    refused = subprocess.run([sys.executable, "-m", "stages.compare_evals", f"runs=[{runs['long']},{runs['fewer']},{tmp_path}]",
                               "labels=[a,b]", f"hydra.run.dir={tmp_path / 'logs'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "labels: 2 labels for 3 runs" in refused.stderr
     with pytest.raises(FileNotFoundError, match="eval.json: not found"):
