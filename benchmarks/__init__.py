@@ -6,7 +6,8 @@ the figure is the median over the repetitions of the per-repetition ratio, with 
 Single-threaded sides are compared by process CPU time (what the work costs, undisturbed by
 time-slicing on a shared machine); multi-process and multi-threaded sides by wall time.
 
-Cases (one module each, a pure function from a typed config to a result dict):
+Cases (module ``benchmarks.<case>`` each, a pure function from its typed config to a result dict;
+the settings and their defaults: :mod:`benchmarks.config`):
 
 =================  ==========================================================================
 case               what it measures
@@ -19,18 +20,18 @@ case               what it measures
 ``storage``        bytes on disk per teacher token, default and compact settings
                    (:mod:`benchmarks.storage`)
 ``guided_loss``    one training step with the guided loss / with plain cross-entropy
-                   (:mod:`benchmarks.guided`)
+                   (:mod:`benchmarks.guided_loss`)
 ``student_data``   tokens/s of read + tokenize + align + pack / tokens/s of tokenization alone
-                   (:mod:`benchmarks.student_pipeline`)
+                   (:mod:`benchmarks.student_data`)
 ``memory``         peak RSS at 10x the corpus / at 1x, per stage and for inspection, each run in
                    its own process (:mod:`benchmarks.memory`)
 ``teachers``       CPU time of the student data pipeline with two teachers / with one, the same
-                   samples (:mod:`benchmarks.two_teacher_pipeline`)
+                   samples (:mod:`benchmarks.teachers`)
 =================  ==========================================================================
 
 :mod:`benchmarks.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
-step, data pipeline per core) as a standalone script that needs only torch, transformers,
-accelerate and pyarrow.
+step, data pipeline per core), an entry point of its own (``conf/gpu_bench.yaml``) that needs only
+torch, transformers, accelerate, pyarrow, Hydra and OmegaConf.
 
 Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes and checks the report's shape.
 """

@@ -28,18 +28,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from benchmarks.inputs import REAL_TOKENIZERS
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
+from pipeline.alignment import AGGREGATIONS
+from pipeline.config import check_at_least, check_choice
 
 
 @dataclass(frozen=True)
 class AlignmentBenchConfig:
-    min_bytes: int = 2**20
+    min_bytes: int = 2**20  # of clean math text
     seed: int = 0
-    repeats: int = 5
+    repeats: int = 7
     warmup: int = 1
-    student: str = "llama-spm"
-    teacher: str = "qwen2"
+    student: str = "llama-spm"  # TinyLlama / Llama-2
+    teacher: str = "qwen2"  # Qwen2.5-Math
     aggregate: str = "max"
     batch_docs: int = 64  # documents per align_documents call
     profile: bool = True
@@ -48,6 +51,17 @@ class AlignmentBenchConfig:
     dtw_chunk: int = 2048  # FuseLLM aligns blocks of this many tokens
     target_cost: float = 0.05
     target_dtw_speedup: float = 100.0
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("min_bytes", "repeats", "batch_docs", "dtw_chunk"):
+            check_at_least(problems, name, getattr(self, name), 1)
+        for name in ("warmup", "dtw_docs"):
+            check_at_least(problems, name, getattr(self, name), 0)
+        check_choice(problems, "student", self.student, REAL_TOKENIZERS)
+        check_choice(problems, "teacher", self.teacher, REAL_TOKENIZERS)
+        check_choice(problems, "aggregate", self.aggregate, AGGREGATIONS)
+        return problems
 
 
 def run(cfg: AlignmentBenchConfig, student_tokenizer, teacher_tokenizer) -> dict:

@@ -28,20 +28,21 @@ of the paired ratios of whole steps) and the median-based estimate are reported 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from benchmarks.inputs import ModelSpec
+from benchmarks.inputs import RandomModelShape
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
+from pipeline.config import check_at_least
 
 
-def _student_spec() -> ModelSpec:
-    return ModelSpec(hidden_size=256, num_layers=4, intermediate_size=688, num_heads=4, context=512)
+def _student_shape() -> RandomModelShape:
+    return RandomModelShape(hidden_size=256, num_layers=4, intermediate_size=688, num_heads=4, context=512)
 
 
 @dataclass(frozen=True)
 class GuidedLossBenchConfig:
-    model: ModelSpec = field(default_factory=_student_spec)
+    model: RandomModelShape = field(default_factory=_student_shape)
     vocab_size: int = 32000
     batch_size: int = 2
     seq_len: int = 128
@@ -52,6 +53,16 @@ class GuidedLossBenchConfig:
     unmapped_share: float = 0.2
     seed: int = 0
     target: float = 1.02
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("batch_size", "seq_len", "repeats", "loss_repeats", "threads"):
+            check_at_least(problems, name, getattr(self, name), 1)
+        check_at_least(problems, "vocab_size", self.vocab_size, 2)
+        check_at_least(problems, "warmup", self.warmup, 0)
+        if not 0.0 <= self.unmapped_share < 1.0:
+            problems.append(f"unmapped_share: {self.unmapped_share} is not in [0, 1)")
+        return problems
 
 
 def run(cfg: GuidedLossBenchConfig) -> dict:
@@ -108,7 +119,7 @@ def run(cfg: GuidedLossBenchConfig) -> dict:
     step_ce = samples["cross_entropy"].to_dict()["median_cpu_s"]
     loss_extra = [g - c for g, c in zip(loss_samples["guided"].cpu, loss_samples["cross_entropy"].cpu)]
     result = {
-        "student": {"parameters": parameters, "spec": cfg.model.__dict__, "vocab_size": cfg.vocab_size,
+        "student": {"parameters": parameters, "spec": asdict(cfg.model), "vocab_size": cfg.vocab_size,
                     "batch": list(shape), "threads": cfg.threads},
         "samples": {k: v.to_dict() for k, v in samples.items()},
         "loss_only_samples": {k: v.to_dict() for k, v in loss_samples.items()},

@@ -8,8 +8,8 @@ slow set-up (loading a GGUF vocabulary is slow; a folder with ``tokenizer.json``
   on, loads the folder, after checking once that both give the same fingerprint;
 * :func:`math_texts` takes the clean documents of the sample corpus generator until the text
   reaches a byte budget;
-* :func:`random_causal_lm` writes a random-weight Llama-architecture checkpoint of a given size,
-  with a tokenizer alongside, that ``run_score_job`` and ``from_pretrained`` load by path;
+* :func:`random_causal_lm` writes a random-weight Llama-architecture checkpoint of a given shape
+  (:class:`RandomModelShape`), with a tokenizer alongside, that ``run_score_job`` and ``from_pretrained`` load by path;
 * :func:`sample_corpus` writes the first ``n`` documents of the sample corpus as one Parquet file.
 """
 
@@ -20,6 +20,9 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pipeline.config import check_at_least
+from pipeline.embedded.model_shape import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -113,31 +116,39 @@ def sample_corpus(out_dir: str | os.PathLike, n_docs: int, seed: int = 0) -> lis
     return build_sample_corpus(Path(out_dir) / f"corpus-n{n_docs}-s{seed}", n_docs=n_docs, n_files=1, seed=seed)
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A Llama-architecture model built from a config (random weights: speed does not need training)."""
+@dataclass(frozen=True, kw_only=True)
+class RandomModelShape(ModelShape):
+    """The shape of a random-weight Llama-architecture model (speed does not need training), with
+    whether its output head shares the embedding and the seed of its initialisation."""
 
     hidden_size: int = 384
-    num_layers: int = 4
     intermediate_size: int = 1024
+    num_layers: int = 4
     num_heads: int = 6
     num_kv_heads: int | None = None  # None: num_heads
     context: int = 512
     tie_word_embeddings: bool = False
     seed: int = 0
 
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "context"):
+            check_at_least(problems, name, getattr(self, name), 1)
+        check_at_least(problems, "num_kv_heads", self.num_kv_heads, 1)
+        if self.hidden_size % self.num_heads:
+            problems.append(f"num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
+        if self.num_kv_heads and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        return problems
 
-def build_model(spec: ModelSpec, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None):
+
+def build_model(shape: RandomModelShape, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads or spec.num_heads, max_position_embeddings=spec.context,
-        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=bos_id, eos_token_id=eos_id,
-    )
-    torch.manual_seed(spec.seed)
+    config = LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=bos_id,
+                         eos_token_id=eos_id, **shape.hf_config_args())
+    torch.manual_seed(shape.seed)
     return LlamaForCausalLM(config)
 
 
@@ -147,14 +158,15 @@ def count_parameters(model) -> dict:
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
 
 
-def random_causal_lm(out_dir: str | os.PathLike, spec: ModelSpec, tokenizer) -> Path:
-    """A checkpoint folder (safetensors + tokenizer) of a random-weight model; cached by spec."""
+def random_causal_lm(out_dir: str | os.PathLike, shape: RandomModelShape, tokenizer) -> Path:
+    """A checkpoint folder (safetensors + tokenizer) of a random-weight model; cached by its shape
+    and tokenizer (the stamp's ``spec``)."""
     folder = Path(out_dir)
     stamp = folder / "_BENCH_MODEL.json"
-    want = {"spec": asdict(spec), "vocab_size": len(tokenizer), "tokenizer": tokenizer.name_or_path}
+    want = {"spec": asdict(shape), "vocab_size": len(tokenizer), "tokenizer": tokenizer.name_or_path}
     if stamp.is_file() and json.loads(stamp.read_text()).get("build") == want:
         return folder
-    model = build_model(spec, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    model = build_model(shape, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))

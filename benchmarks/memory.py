@@ -33,37 +33,46 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.inputs import ModelSpec
+from benchmarks.inputs import REAL_TOKENIZERS, RandomModelShape
 from benchmarks.results import figure
+from pipeline.config import check_at_least, check_choice
 
 WORKLOADS = ("stage1", "student_data", "train", "inspect")
 
 
-def _micro_teacher() -> ModelSpec:
-    return ModelSpec(hidden_size=64, num_layers=2, intermediate_size=128, num_heads=2, context=256)
-
-
-def _micro_student() -> ModelSpec:
-    return ModelSpec(hidden_size=64, num_layers=2, intermediate_size=128, num_heads=2, context=256)
+def _micro_shape() -> RandomModelShape:
+    return RandomModelShape(hidden_size=64, num_layers=2, intermediate_size=128, num_heads=2, context=256)
 
 
 @dataclass(frozen=True)
 class MemoryBenchConfig:
-    n_docs: int = 42  # 1x (includes one 20k-60k character page, doc 41); 10x is 10 * n_docs
-    scale: int = 10
+    n_docs: int = 42  # 1x (includes one 20k-60k character page, doc 41, so 1x and 10x differ in size, not in kind)
+    scale: int = 10  # the large corpus is scale * n_docs
     rows_per_shard: int = 20
-    teacher: ModelSpec = field(default_factory=_micro_teacher)
-    student: ModelSpec = field(default_factory=_micro_student)
+    teacher: RandomModelShape = field(default_factory=_micro_shape)
+    student: RandomModelShape = field(default_factory=_micro_shape)
     teacher_tokenizer: str = "mistral"
     student_tokenizer: str = "llama-spm"
     window: int = 256
     stride: int = 192
     seq_len: int = 256
     train_steps: int = 5
-    workloads: tuple[str, ...] = WORKLOADS
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
     interval_s: float = 0.05
     timeout_s: float = 600.0
     target: float = 1.2
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("n_docs", "rows_per_shard", "window", "stride", "seq_len", "train_steps"):
+            check_at_least(problems, name, getattr(self, name), 1)
+        check_at_least(problems, "scale", self.scale, 2)
+        check_choice(problems, "teacher_tokenizer", self.teacher_tokenizer, REAL_TOKENIZERS)
+        check_choice(problems, "student_tokenizer", self.student_tokenizer, REAL_TOKENIZERS)
+        problems += [f"workloads: {w!r} is not one of {', '.join(WORKLOADS)}" for w in self.workloads if w not in WORKLOADS]
+        if self.interval_s <= 0 or self.timeout_s <= 0:
+            problems.append(f"interval_s, timeout_s: {self.interval_s}, {self.timeout_s} must be > 0")
+        return problems
 
 
 def run(cfg: MemoryBenchConfig, work_dir: str | os.PathLike, teacher_tokenizer, student_tokenizer) -> dict:

@@ -40,14 +40,15 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.inputs import ModelSpec
+from benchmarks.inputs import REAL_TOKENIZERS, RandomModelShape
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
+from pipeline.config import check_at_least, check_choice
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class Stage1BenchConfig:
     n_docs: int = 24
     rows_per_shard: int = 4
     seed: int = 0
-    teacher_tokenizer: str = "mistral"
-    model: ModelSpec = field(default_factory=ModelSpec)
+    teacher_tokenizer: str = "mistral"  # Mistral-7B's 32k SentencePiece (as Mistral-ProXMath)
+    model: RandomModelShape = field(default_factory=RandomModelShape)
     window: int = 512
     stride: int = 384
     max_batch_tokens: int = 16384
@@ -65,6 +66,15 @@ class Stage1BenchConfig:
     scorer_side: bool = True
     target: float = 0.95
 
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("n_docs", "rows_per_shard", "window", "stride", "max_batch_tokens", "num_cpus", "repeats"):
+            check_at_least(problems, name, getattr(self, name), 1)
+        if self.stride > self.window:
+            problems.append(f"stride: {self.stride} is more than window {self.window}")
+        check_choice(problems, "teacher_tokenizer", self.teacher_tokenizer, REAL_TOKENIZERS)
+        return problems
+
 
 def run(cfg: Stage1BenchConfig, work_dir: str | os.PathLike, tokenizer) -> dict:
     import torch
@@ -72,7 +82,7 @@ def run(cfg: Stage1BenchConfig, work_dir: str | os.PathLike, tokenizer) -> dict:
     from benchmarks.inputs import model_parameters, random_causal_lm, sample_corpus
 
     work = Path(work_dir) / "stage1"
-    model_dir = random_causal_lm(work / f"teacher-{_spec_slug(cfg.model)}-{cfg.teacher_tokenizer}", cfg.model, tokenizer)
+    model_dir = random_causal_lm(work / f"teacher-{_shape_slug(cfg.model)}-{cfg.teacher_tokenizer}", cfg.model, tokenizer)
     corpus = sample_corpus(work, cfg.n_docs, cfg.seed)
     forward = _BareForward(cfg, model_dir, corpus)
     out_dir = work / "scored"
@@ -114,7 +124,7 @@ def run(cfg: Stage1BenchConfig, work_dir: str | os.PathLike, tokenizer) -> dict:
                                                 [info["steady_cpu_tree_s"] for info in job_info])
     startup = [j - s for j, s in zip(samples["job"].wall, _in_job_work(job_info, forward))]
     result = {
-        "teacher": {"parameters": model_parameters(model_dir), "spec": cfg.model.__dict__,
+        "teacher": {"parameters": model_parameters(model_dir), "spec": asdict(cfg.model),
                     "tokenizer": cfg.teacher_tokenizer, "window": cfg.window, "stride": cfg.stride},
         "corpus": {"documents": cfg.n_docs, "shards": len(forward.shards), "teacher_tokens": tokens,
                    "windows": forward.n_windows, "padded_tokens": forward.padded_tokens},
@@ -189,9 +199,9 @@ def _in_job_work(job_info: list[dict], forward: "_BareForward") -> list[float]:
     return out
 
 
-def _spec_slug(spec: ModelSpec) -> str:
-    return (f"h{spec.hidden_size}-l{spec.num_layers}-i{spec.intermediate_size}-a{spec.num_heads}"
-            f"-c{spec.context}-s{spec.seed}")
+def _shape_slug(shape: RandomModelShape) -> str:
+    return (f"h{shape.hidden_size}-l{shape.num_layers}-i{shape.intermediate_size}-a{shape.num_heads}"
+            f"-c{shape.context}-s{shape.seed}")
 
 
 def _run_job(cfg: Stage1BenchConfig, model_dir: Path, corpus: list[Path], out_dir: Path) -> dict:

@@ -29,32 +29,41 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.results import figure
-from storage_schemas import dataset_dir
+from pipeline.config import check_at_least
 from storage_schemas import filesystem as sfs
+
+ZSTD_LEVELS = range(1, 23)
 
 
 @dataclass(frozen=True)
 class StorageBenchConfig:
-    dataset: str = str(dataset_dir("outputs/scored", "owm-sample", "tiny"))  # a complete stage-1 output folder
     max_shards: int = 4
-    levels: tuple[int, ...] = (3, 19)  # extra zstd levels tried with compact + bfloat16 (besides the default)
+    levels: list[int] = field(default_factory=lambda: [3, 19])  # extra zstd levels tried with compact + bfloat16 (besides the default)
     target: float = 3.0
     object_store_repeats: int = 3  # write+read rounds on each side for the object-store ratio (median)
 
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        check_at_least(problems, "max_shards", self.max_shards, 1)
+        check_at_least(problems, "object_store_repeats", self.object_store_repeats, 1)
+        problems += [f"levels: {level} is not a zstd level (1-22)" for level in self.levels if level not in ZSTD_LEVELS]
+        return problems
 
-def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.PathLike | None = None) -> dict:
+
+def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.PathLike) -> dict:
+    """``dataset``: a complete stage-1 output folder (local or an object-store URI)."""
     import pyarrow.parquet as pq
 
     from pipeline.score_teacher.writer import StorageConfig
     from storage_schemas import read_manifest
 
-    folder = sfs.location(dataset or cfg.dataset)
+    folder = sfs.location(dataset)
     manifest = read_manifest(folder)
     entries = manifest["shards"][: cfg.max_shards]
     if not entries:

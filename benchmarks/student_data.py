@@ -27,22 +27,30 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchmarks.inputs import REAL_TOKENIZERS
 from benchmarks.measure import interleaved, profile_parts, ratio
 from benchmarks.results import figure
-from storage_schemas import dataset_dir
+from pipeline.config import check_at_least, check_choice
 
 
 @dataclass(frozen=True)
 class StudentDataBenchConfig:
-    dataset: str = str(dataset_dir("outputs/scored", "owm-sample", "tiny"))
     max_shards: int = 2
     student: str = "llama-spm"
     seq_len: int = 2048
-    repeats: int = 3
+    repeats: int = 5
     warmup: int = 1
     batch_size: int = 8  # samples per data-loader call: train.micro_batch_size's default
     cold: bool = True
     target: float = 0.9
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("max_shards", "seq_len", "repeats", "batch_size"):
+            check_at_least(problems, name, getattr(self, name), 1)
+        check_at_least(problems, "warmup", self.warmup, 0)
+        check_choice(problems, "student", self.student, REAL_TOKENIZERS)
+        return problems
 
 
 def read_packed(dataset, batch_size: int) -> int:
@@ -56,13 +64,13 @@ def read_packed(dataset, batch_size: int) -> int:
     return len(dataset) * dataset.plan.seq_len
 
 
-def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
-        dataset: str | os.PathLike | None = None) -> dict:
+def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike) -> dict:
+    """``dataset``: a complete stage-1 output folder."""
     from storage_schemas.reader import open_scored_dataset, read_row_group
     from pipeline.train_student.data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
     from pipeline.tokenization import encode_batch
 
-    scored = open_scored_dataset([str(dataset or cfg.dataset)])
+    scored = open_scored_dataset([str(dataset)])
     scored = replace(scored, shards=scored.shards[: cfg.max_shards])
     groups = [(s, g) for s in scored.shards for g in range(len(s.row_group_rows))]
     texts = [read_row_group(s, g, ["text"]).column("text").to_pylist() for s, g in groups]
@@ -97,7 +105,7 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
         "tokenize (encode_batch, a request's documents and its read-ahead per call)": ("pipeline/tokenization.py", "encode_batch"),
         "  of which the Rust tokenizer": ("~", "<method 'encode_batch' of 'tokenizers.Tokenizer' objects>"),
         "np.asarray, all callers (offset lists, row values)": ("~", "<built-in method numpy.asarray>"),
-        "align (align_documents)": ("train_student/align.py", "align_documents"),
+        "align (align_documents)": ("pipeline/alignment.py", "align_documents"),
         "read rows (ShardReader.row)": ("storage_schemas/reader.py", "row"),
         "_encode (read + tokenize + align + per-document arrays)": ("train_student/data.py", "_encode"),
         "__getitems__ (everything but collation)": ("train_student/data.py", "__getitems__"),
@@ -116,7 +124,7 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer,
                 "paired": [p * scale for p in r["paired"]], "tokens_scale": scale}
 
     result = {
-        "dataset": str(dataset or cfg.dataset), "shards": len(scored.shards), "row_groups": len(groups),
+        "dataset": str(dataset), "shards": len(scored.shards), "row_groups": len(groups),
         "documents": sum(len(t) for t in texts), "student_tokens": student_tokens, "delivered_tokens": delivered,
         "student": cfg.student, "seq_len": cfg.seq_len,
         "samples": {k: v.to_dict() for k, v in samples.items()},

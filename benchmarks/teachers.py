@@ -31,16 +31,22 @@ import numpy as np
 
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
-from benchmarks.student_pipeline import StudentDataBenchConfig, read_packed
+from benchmarks.student_data import StudentDataBenchConfig, read_packed
+from pipeline.config import check_choice
+from pipeline.train_student.several_teachers import COMBINATIONS
 
 
 @dataclass(frozen=True)
 class TeachersBenchConfig(StudentDataBenchConfig):
-    """The student-data case's settings, with the combination and this case's repeats and target."""
+    """The student-data case's settings, with the combination and this case's target."""
 
     combine: str = "min"
-    repeats: int = 5
     target: float = 1.3
+
+    def problems(self) -> list[str]:
+        problems = super().problems()
+        check_choice(problems, "combine", self.combine, COMBINATIONS)
+        return problems
 
 
 def write_teacher(source, shards, folder: Path, name: str, reverse: bool) -> Path:
@@ -69,12 +75,13 @@ def write_teacher(source, shards, folder: Path, name: str, reverse: bool) -> Pat
     return folder
 
 
-def run(cfg: TeachersBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike | None = None) -> dict:
+def run(cfg: TeachersBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike) -> dict:
+    """``dataset``: a complete stage-1 output folder, whose first ``max_shards`` shards become the two teachers."""
     from pipeline.train_student.data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
     from pipeline.train_student.several_teachers import open_teachers
     from storage_schemas.reader import open_scored_dataset
 
-    source = open_scored_dataset([str(dataset or cfg.dataset)])
+    source = open_scored_dataset([str(dataset)])
     shards = source.shards[: cfg.max_shards]
     work = Path(work_dir) / "teachers"
     shutil.rmtree(work, ignore_errors=True)
@@ -117,14 +124,14 @@ def run(cfg: TeachersBenchConfig, work_dir: str | os.PathLike, tokenizer, datase
     if cfg.cold:
         ratios["cold"] = ratio(samples["two_cold"].cpu, samples["one_cold"].cpu)
     main = ratios["steady"]
-    note = (f"CPU time, {sum(s.rows for s in shards)} docs of {Path(str(dataset or cfg.dataset)).name}, "
+    note = (f"CPU time, {sum(s.rows for s in shards)} docs of {Path(str(dataset)).name}, "
             f"{delivered['1']:,} packed {cfg.student} tokens of {cfg.seq_len}, combine={cfg.combine}, batches of "
             f"{cfg.batch_size} samples, plan built beforehand (spread {main['min']:.2f}-{main['max']:.2f}, ratio of "
             f"minima {main['of_minima']:.2f}, wall {ratios['steady_wall']['median']:.2f})")
     if cfg.cold:
         note += f"; first run including matching and the length pass: {ratios['cold']['median']:.2f}"
     return {
-        "dataset": str(dataset or cfg.dataset), "shards": len(shards), "documents": sum(s.rows for s in shards),
+        "dataset": str(dataset), "shards": len(shards), "documents": sum(s.rows for s in shards),
         "delivered_tokens": delivered, "student": cfg.student, "seq_len": cfg.seq_len, "combine": cfg.combine,
         "samples": {k: v.to_dict() for k, v in samples.items()}, "ratios": ratios,
         "figures": [figure("two_teachers", "two-teacher data pipeline (two teachers / one, CPU time)",

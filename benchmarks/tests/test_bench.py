@@ -68,10 +68,10 @@ def test_alignment_case_quick(real_tokenizer):
 def test_storage_and_student_data_cases_quick(micro_scored, real_tokenizer, tmp_path):
     from benchmarks.storage import StorageBenchConfig
     from benchmarks.storage import run as run_storage
-    from benchmarks.student_pipeline import StudentDataBenchConfig
-    from benchmarks.student_pipeline import run as run_student
+    from benchmarks.student_data import StudentDataBenchConfig
+    from benchmarks.student_data import run as run_student
 
-    storage = run_storage(StorageBenchConfig(max_shards=2, levels=(3,), object_store_repeats=1), tmp_path, micro_scored)
+    storage = run_storage(StorageBenchConfig(max_shards=2, levels=[3], object_store_repeats=1), tmp_path, micro_scored)
     _check_figures(storage, {"storage_default", "storage_compact", "object_store_write", "object_store_read"})
     assert storage["object_store"]["rows"] == storage["documents"]  # both sides read back every row
     assert {s["kind"] for s in storage["settings"]} == {"current", "schema change"}
@@ -85,10 +85,10 @@ def test_storage_and_student_data_cases_quick(micro_scored, real_tokenizer, tmp_
 
 
 def test_guided_loss_case_quick():
-    from benchmarks.guided import GuidedLossBenchConfig, run
-    from benchmarks.inputs import ModelSpec
+    from benchmarks.guided_loss import GuidedLossBenchConfig, run
+    from benchmarks.inputs import RandomModelShape
 
-    cfg = GuidedLossBenchConfig(model=ModelSpec(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2),
+    cfg = GuidedLossBenchConfig(model=RandomModelShape(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2),
                                 vocab_size=256, batch_size=2, seq_len=16, repeats=2, loss_repeats=2, warmup=0)
     _check_figures(run(cfg), {"guided_loss_overhead"})
 
@@ -106,19 +106,46 @@ def test_report_files_have_the_table(tmp_path):
     assert "| a measure | 0.500 | <= 1.000 | pass | n\\|ote |" in md
 
 
-def test_bench_config_composes_and_quick_sizes_apply():
+def _compose_bench(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from benchmarks.__main__ import case_configs, effective_config
+    import benchmarks.__main__  # noqa: F401  (registers bench_defaults)
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        full = compose(config_name="bench")
-        quick = compose(config_name="bench", overrides=["quick=true"])
-    typed_full, typed_quick = case_configs(effective_config(full)), case_configs(effective_config(quick))
-    assert typed_full["alignment"].min_bytes >= 2**20
-    assert typed_quick["alignment"].min_bytes < typed_full["alignment"].min_bytes
-    assert typed_quick["stage1"].model.hidden_size < typed_full["stage1"].model.hidden_size
-    assert typed_full["storage"].levels == (3, 19)
+        return compose(config_name="bench", overrides=overrides)
+
+
+def test_bench_config_composes_and_quick_sizes_apply():
+    from benchmarks.config import QUICK_SIZES, BenchConfig, bench_config
+
+    full, quick = bench_config(_compose_bench([])), bench_config(_compose_bench(["quick=true"]))
+    assert full == BenchConfig()  # the YAML sets no setting: the typed defaults are the full run's
+    assert full.alignment.min_bytes >= 2**20
+    assert quick.alignment.min_bytes == QUICK_SIZES["alignment"]["min_bytes"] < full.alignment.min_bytes
+    assert quick.stage1.model.hidden_size < full.stage1.model.hidden_size
+    assert quick.stage1.model.context == full.stage1.model.context  # merged key by key
+    assert full.storage.levels == [3, 19] and quick.storage.levels == [3]
+    assert full.teachers.repeats == full.student_data.repeats  # the teachers case extends student_data's
+
+
+def test_bench_config_reports_every_problem_at_once():
+    from benchmarks.config import bench_config
+    from pipeline.config import ConfigError
+
+    cfg = _compose_bench(["cases=[alignment,storag]", "alignment.repeats=0", "memory.workloads=[stage1,train2]",
+                          "stage1.model.num_heads=5", "teachers.combine=median"])
+    with pytest.raises(ConfigError) as caught:
+        bench_config(cfg)
+    assert sorted(p.split(":")[0] for p in caught.value.problems) == [
+        "alignment.repeats", "cases", "memory.workloads", "stage1.model.num_heads", "teachers.combine"]
+
+
+def test_bench_command_line_with_an_unknown_key_exits_2(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "alignment.repeat=3", "storage.levels=[0]",
+                          f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "alignment.repeat: unknown key; did you mean alignment.repeats?" in run.stderr
+    assert "storage.levels: 0 is not a zstd level" in run.stderr
 
 
 @pytest.mark.slow

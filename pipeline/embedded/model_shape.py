@@ -1,5 +1,6 @@
-"""The architecture fields shared by every tiny model spec (embedded teacher and student, and the
-toy reproduction's teachers and students), and their Hugging Face config names."""
+"""The architecture fields shared by every small model spec (the embedded teacher and student, the
+toy reproduction's teachers and students, the bench's random-weight models), and their Hugging Face
+config names."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ HF_CONFIG_KEYS = {"hidden_size": "hidden_size", "intermediate_size": "intermedia
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """Sizes of a tiny decoder; keyword-only, so subclasses may add required positional fields."""
+    """Sizes of a small decoder; keyword-only, so subclasses may add required positional fields."""
 
     hidden_size: int = 128
     intermediate_size: int = 352
     num_layers: int = 4
     num_heads: int = 4
-    num_kv_heads: int = 2
+    num_kv_heads: int | None = 2  # None: num_heads (no grouped-query attention)
     context: int = 512  # max_position_embeddings
 
     def hf_config_args(self) -> dict[str, int]:
-        return {hf_key: getattr(self, key) for key, hf_key in HF_CONFIG_KEYS.items()}
+        args = {hf_key: getattr(self, key) for key, hf_key in HF_CONFIG_KEYS.items()}
+        if self.num_kv_heads is None:
+            args["num_key_value_heads"] = self.num_heads
+        return args

@@ -1,0 +1,90 @@
+"""The bench's typed configuration: every setting and its default, and the sizes of a quick run.
+
+``conf/bench.yaml`` only overrides these (``bench_defaults`` is registered from
+:class:`BenchConfig` by ``benchmarks/__main__.py``); ``quick=true`` merges :data:`QUICK_SIZES` over
+the settings, so a smoke run takes the same code paths at tiny sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from benchmarks import CASES
+from benchmarks.alignment import AlignmentBenchConfig
+from benchmarks.guided_loss import GuidedLossBenchConfig
+from benchmarks.memory import MemoryBenchConfig
+from benchmarks.stage1 import Stage1BenchConfig
+from benchmarks.storage import StorageBenchConfig
+from benchmarks.student_data import StudentDataBenchConfig
+from benchmarks.teachers import TeachersBenchConfig
+from pipeline.config import build, check_at_least, raise_if
+from storage_schemas import dataset_dir
+
+# Merged over the settings when quick=true: same code paths, tiny sizes, one repetition.
+QUICK_SIZES: dict[str, Any] = {
+    "fallback_docs": 40,
+    "alignment": {"min_bytes": 131072, "repeats": 2, "dtw_docs": 1, "dtw_budget_s": 3.0},
+    "stage1": {"n_docs": 8, "repeats": 1,
+               "model": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "num_heads": 2}},
+    "storage": {"max_shards": 1, "levels": [3], "object_store_repeats": 1},
+    "guided_loss": {"model": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "num_heads": 2},
+                    "vocab_size": 4096, "repeats": 3, "loss_repeats": 5, "warmup": 1},
+    "student_data": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
+    "memory": {"n_docs": 8, "scale": 3, "rows_per_shard": 4, "train_steps": 2},
+    "teachers": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    quick: bool = False  # QUICK_SIZES merged over the settings below
+    cases: list[str] = field(default_factory=lambda: list(CASES))
+    out_dir: str = "bench-results"  # latest.json (every raw timing) and latest.md (the table)
+    work_dir: str = "outputs/bench-work"  # scratch: cached tokenizers, random-weight models, corpora
+    tokenizers_dir: str = "../shared/tokenizers"  # the paper's real vocabularies
+    artifacts_dir: str = "artifacts"  # embedded sample corpus and tiny teacher (make score-teacher)
+    # The scored dataset (stage-1 output) the storage, student-data and teachers cases read: the
+    # embedded default's. When it is missing or incomplete, the bench scores fallback_docs sample
+    # documents with the embedded tiny teacher itself (built and cached under artifacts_dir).
+    scored_dataset: str = str(dataset_dir("outputs/scored", "owm-sample", "tiny"))
+    fallback_docs: int = 300
+    alignment: AlignmentBenchConfig = field(default_factory=AlignmentBenchConfig)
+    stage1: Stage1BenchConfig = field(default_factory=Stage1BenchConfig)
+    storage: StorageBenchConfig = field(default_factory=StorageBenchConfig)
+    guided_loss: GuidedLossBenchConfig = field(default_factory=GuidedLossBenchConfig)
+    student_data: StudentDataBenchConfig = field(default_factory=StudentDataBenchConfig)
+    memory: MemoryBenchConfig = field(default_factory=MemoryBenchConfig)
+    teachers: TeachersBenchConfig = field(default_factory=TeachersBenchConfig)
+
+    def problems(self) -> list[str]:
+        problems = [f"cases: {c!r} is not one of {', '.join(CASES)}" for c in self.cases if c not in CASES]
+        check_at_least(problems, "fallback_docs", self.fallback_docs, 1)
+        return problems
+
+    def case(self, name: str):
+        """The typed settings of case ``name``."""
+        return getattr(self, name)
+
+
+def bench_config(values: Mapping[str, Any]) -> BenchConfig:
+    """The typed configuration (:data:`QUICK_SIZES` merged in when ``quick`` is true); every problem
+    is reported at once (:class:`pipeline.config.ConfigError`)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(values, DictConfig):
+        values = OmegaConf.to_container(values, resolve=True)
+    if values.get("quick") is True:
+        values = merged(values, QUICK_SIZES)
+    problems: list[str] = []
+    typed = build(BenchConfig, values, "", problems)
+    raise_if(problems)
+    return typed
+
+
+def merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s values put in, mappings merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+    return out
