@@ -13,7 +13,6 @@ The package needs pyarrow and NumPy only; Polars is imported where a Polars fram
 from storage_schemas.identity import (  # noqa: F401
     IDENTITY_FORMAT,
     data_identity_differences,
-    identity_format,
     iter_identity_differences,
     shard_identity_differences,
 )

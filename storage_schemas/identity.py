@@ -4,9 +4,7 @@ The identity (``manifest.json``'s ``identity``, and each shard's ``vocagno.ident
 produced the data, never where it sits: the teacher by hub id and revision or by the digests of its
 config and weights, its tokenizer by digest, the corpus by file names, row counts, sizes and content
 digests (identity format :data:`IDENTITY_FORMAT`). Where the teacher and the corpus were found is
-kept apart, in the manifest's ``location``, for people; it is never compared. A manifest written
-before this format (no ``format`` key) is adopted with ``migrate_identity=true``: its old identity
-is kept as ``adopted_from``, and shards written under it stay valid.
+kept apart, in the manifest's ``location``, for people; it is never compared.
 """
 
 from __future__ import annotations
@@ -28,17 +26,8 @@ def iter_identity_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix
             yield f"{name}: {va!r} != {vb!r}"
 
 
-def identity_format(identity: Mapping[str, Any]) -> int:
-    """The identity's format: 1 for identities written before the format was recorded."""
-    return int(identity.get("format", 1))
-
-
 def shard_identity_differences(shard_identity: Mapping[str, Any], manifest: Mapping[str, Any]) -> list[str]:
-    """How a shard's identity differs from its folder's: none when it equals the manifest's
-    identity, or the identity the folder had before it was migrated (``adopted_from``)."""
-    adopted = manifest.get("adopted_from")
-    if adopted is not None and dict(shard_identity) == adopted:
-        return []
+    """How a shard's identity differs from its folder's (none: it belongs there)."""
     return list(iter_identity_differences(shard_identity, manifest.get("identity") or {}))
 
 
@@ -47,23 +36,14 @@ def data_identity_differences(recorded: dict, current: dict) -> list[str]:
     differs from ``recorded`` (a checkpoint's), leaving out where things are: each folder's path
     and manifest sha256 (the manifest also holds the location and code version of the last rerun,
     which change when the data does not; the shards' sha256, which cover each shard's footer and
-    the identity in it, pin the data) and the paths and wording of skipped shards. A folder
-    migrated since the record (``adopted_from``) matches the identity it was adopted from."""
-    return list(iter_identity_differences(_comparable(recorded, current), _comparable(current, None)))
+    the identity in it, pin the data) and the paths and wording of skipped shards."""
+    return list(iter_identity_differences(_comparable(recorded), _comparable(current)))
 
 
-def _comparable(identity: dict, current: dict | None) -> dict:
+def _comparable(identity: dict) -> dict:
     out = {k: v for k, v in identity.items() if k not in ("folders", "shards_skipped")}
-    now = (current or {}).get("folders") or []
-    folders = {}  # keyed by position, so that differences are named down to the field
-    for i, folder in enumerate(identity.get("folders") or []):
-        ident = folder.get("identity")
-        adopted = now[i].get("adopted_from") if i < len(now) else None
-        if adopted is not None and ident == adopted:
-            ident = now[i]["identity"]
-            if i == 0:
-                out["teacher"] = current.get("teacher")
-        folders[str(i)] = {"complete": folder.get("complete"), "identity": ident}
-    out["folders"] = folders
+    # keyed by position, so that differences are named down to the field
+    out["folders"] = {str(i): {"complete": f.get("complete"), "identity": f.get("identity")}
+                      for i, f in enumerate(identity.get("folders") or [])}
     out["shards_skipped"] = [Path(s.get("file", "")).name for s in identity.get("shards_skipped") or []]
     return out

@@ -38,7 +38,6 @@ import pyarrow.parquet as pq
 from storage_schemas import filesystem as sfs
 from storage_schemas.identity import (
     data_identity_differences,  # noqa: F401  (part of this module's interface)
-    identity_format,
     iter_identity_differences,
     shard_identity_differences,
 )
@@ -89,7 +88,6 @@ class ScoredFolder:
     identity: dict
     complete: bool
     n_shards_planned: int
-    adopted_from: dict | None = None  # the format-1 identity its older shards carry, once migrated
     manifest: dict = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -151,7 +149,7 @@ class ScoredDataset:
         return {
             "folders": [
                 {"path": str(f.path), "manifest_sha256": f.manifest_sha256, "complete": f.complete,
-                 "identity": f.identity, "adopted_from": f.adopted_from}
+                 "identity": f.identity}
                 for f in self.folders
             ],
             "teacher": self.teacher,
@@ -333,7 +331,6 @@ def _open_folder(path: Path | str, allow_partial: bool, quiet: bool = False) -> 
         identity=manifest.get("identity", {}),
         complete=complete,
         n_shards_planned=planned,
-        adopted_from=manifest.get("adopted_from"),
         manifest=manifest,
     )
     return folder, list(manifest["shards"])
@@ -347,13 +344,9 @@ def _check_one_teacher(opened: list[tuple[ScoredFolder, list[dict]]]) -> None:
             for d in iter_identity_differences(first.identity.get(key) or {}, folder.identity.get(key) or {}, f"{key}.")
         ]
         if diffs:
-            older = [f.path for f in (first, folder) if identity_format(f.identity) == 1]
-            hint = "" if not older or len(older) == 2 else (
-                f"\n{older[0]} was scored by an older version, which recorded the teacher by its path: run "
-                "make score-teacher for it with migrate_identity=true added (nothing is rescored).")
             raise MixedTeachersError(
                 f"{folder.path} was scored with a different teacher setup than {first.path}; one run trains "
-                "against one teacher:\n  " + "\n  ".join(diffs) + hint
+                "against one teacher:\n  " + "\n  ".join(diffs)
             )
 
 

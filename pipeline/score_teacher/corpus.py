@@ -401,13 +401,6 @@ def corpus_identity(cfg: CorpusConfig, sources: list[SourceFile], shards: list[S
     }
 
 
-def legacy_files_sha256(sources: list[SourceFile]) -> str:
-    """``files_sha256`` as identity format 1 computed it (names, row counts, sizes; no content), to
-    compare a manifest written before the content digests with this corpus."""
-    listing = [[file_name(s.path), s.rows, s.bytes] for s in sources]
-    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-
-
 def source_digests(sources: list[SourceFile]) -> list[str]:
     """The content sha256 of each file: as the source records it (the hub), else hashed once and
     cached (local files by their stat, remote objects by URI, size and ETag)."""

@@ -30,7 +30,6 @@ from pipeline.score_teacher.corpus import (
     absolute_files,
     corpus_identity,
     file_name,
-    legacy_files_sha256,
     plan_shards,
     read_shard,
     resolve_sources,
@@ -99,7 +98,6 @@ class ScoreJobConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     progress: bool = True
     manifest_every_s: float = 10.0
-    migrate_identity: bool = False  # adopt this identity for a folder whose manifest predates it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +223,6 @@ class Prepared:
     scorer: ScorerConfig  # with the window resolved
     settings: WindowSettings
     location: dict = field(default_factory=dict)  # where the teacher and corpus are (never compared)
-    legacy: dict = field(default_factory=dict)  # this setup as identity format 1 recorded it, less locations
 
 
 def prepare(cfg: ScoreJobConfig) -> Prepared:
@@ -268,7 +265,7 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         "corpus": corpus_identity(cfg.corpus, sources, shards),
     }
     return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings,
-                    location=_location(cfg.teacher, sources), legacy=_legacy_view(cfg, identity, sources))
+                    location=_location(cfg.teacher, sources))
 
 
 def _location(teacher: TeacherConfig, sources: list[SourceFile]) -> dict:
@@ -278,19 +275,6 @@ def _location(teacher: TeacherConfig, sources: list[SourceFile]) -> dict:
 
     return {"teacher_model": where(teacher.model), "teacher_tokenizer": where(teacher.tokenizer or teacher.model),
             "corpus_files": [s.path for s in sources]}
-
-
-def _legacy_view(cfg: ScoreJobConfig, identity: dict, sources: list[SourceFile]) -> dict:
-    """This setup as identity format 1 recorded it, less what format 1 could only record as a
-    location (a local teacher's path, the tokenizer's path): what a manifest written by an older
-    version can be checked against (:func:`pipeline.score_teacher.writer.folder_problem`)."""
-    teacher = {k: identity["teacher"][k] for k in ("name", "tokenizer_sha256", "vocab_size", "bos_id", "dtype", "backend")}
-    teacher["revision"] = cfg.teacher.revision
-    if identity["teacher"]["source"] == "hub":
-        teacher["model"] = cfg.teacher.model
-    corpus = {**identity["corpus"], "files_sha256": legacy_files_sha256(sources)}
-    return {"teacher": teacher, "windows": identity["windows"], "loss_precision": identity["loss_precision"],
-            "corpus": corpus}
 
 
 def _check_local_paths(teacher: TeacherConfig) -> None:
@@ -413,16 +397,14 @@ def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
 def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
     """Check an existing folder before creating anything in it (the check repeats under the lock)."""
     if (sfs.is_remote(cfg.output_dir) or Path(cfg.output_dir).is_dir()) and not cfg.overwrite:
-        problem = folder_problem(cfg.output_dir, prepared.identity, legacy=prepared.legacy,
-                                 migrate=cfg.migrate_identity)
+        problem = folder_problem(cfg.output_dir, prepared.identity)
         if problem:
             raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
 
 
 def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     version = code_version()
-    done, extra = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, legacy=prepared.legacy,
-                                 migrate=cfg.migrate_identity, location=prepared.location)
+    done, extra = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location)
     pending = [s for s in prepared.shards if s.index not in done]
     if cfg.limit_shards is not None:
         pending = pending[: cfg.limit_shards]

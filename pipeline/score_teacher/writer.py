@@ -13,9 +13,6 @@
 * A folder scored with another identity (teacher, tokenizer, window, corpus, plan) is refused with
   the list of differences, unless ``overwrite`` is set, which deletes its shards first. The identity
   holds no paths (:mod:`storage_schemas.identity`), so a moved or copied folder is the same dataset.
-* A folder whose manifest predates the content identity (format 1, which recorded the teacher by
-  its path) is checked on everything format 1 recorded; it is refused with the one command that
-  adopts the new identity (``migrate_identity``), never rescored silently.
 """
 
 from __future__ import annotations
@@ -39,13 +36,11 @@ from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from storage_schemas.rows import list_array
 from storage_schemas import (
     CARD_NAME,
-    IDENTITY_FORMAT,
     MANIFEST_NAME,
     ROW_SCHEMA,
     SCHEMA_VERSION,
     SHARD_RE,
     file_sha256,
-    identity_format,
     marker_of,
     schema_with_metadata,
     iter_identity_differences,
@@ -231,17 +226,13 @@ def prepare_output(
     identity: dict,
     overwrite: bool,
     *,
-    legacy: dict | None = None,
-    migrate: bool = False,
     location: dict | None = None,
 ) -> tuple[dict[int, dict], dict]:
     """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries and
-    the manifest's extra fields (``location``, and ``adopted_from`` once a format-1 identity was
-    migrated) for every later :func:`write_manifest` of the run.
+    the manifest's extra fields (``location``) for every later :func:`write_manifest` of the run.
 
     Refuses (``DatasetMismatchError``) a folder scored with another identity or holding shards
-    without a manifest, unless ``overwrite``; ``legacy`` and ``migrate`` as in :func:`folder_problem`.
-    Leftover temporary files are removed.
+    without a manifest, unless ``overwrite``. Leftover temporary files are removed.
     """
     remote = sfs.is_remote(folder)
     folder = os.fspath(folder) if remote else Path(folder)
@@ -249,15 +240,11 @@ def prepare_output(
         raise DatasetMismatchError(f"{folder}: exists and is not a folder")
     extra: dict = {"location": location}
     if remote or folder.is_dir():
-        problem = folder_problem(folder, identity, legacy=legacy, migrate=migrate)
+        problem = folder_problem(folder, identity)
         if problem and not overwrite:
             raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
         if problem:
             _clear_dataset(folder)
-        elif sfs.is_file(sfs.child(folder, MANIFEST_NAME)):
-            old = json.loads(sfs.read_bytes(sfs.child(folder, MANIFEST_NAME)))
-            recorded = old.get("identity") or {}
-            extra["adopted_from"] = old.get("adopted_from") if recorded == identity else recorded
     if not remote:
         folder.mkdir(parents=True, exist_ok=True)
         for leftover in folder.glob(".*.tmp-*"):
@@ -268,14 +255,8 @@ def prepare_output(
     return done, extra
 
 
-def folder_problem(folder: Path | str, identity: dict, *, legacy: dict | None = None, migrate: bool = False) -> str | None:
-    """Why ``folder`` cannot take a run with ``identity`` (None: it can).
-
-    A manifest of identity format 1 is compared with ``legacy`` (this setup as format 1 recorded
-    it, less the paths); when that matches, the folder is still refused, because format 1 cannot
-    prove which teacher weights and corpus bytes scored it, unless ``migrate`` (the user vouches
-    for them), which adopts ``identity`` for the folder.
-    """
+def folder_problem(folder: Path | str, identity: dict) -> str | None:
+    """Why ``folder`` cannot take a run with ``identity`` (None: it can)."""
     manifest_path = sfs.child(folder, MANIFEST_NAME)
     if sfs.exists(manifest_path):
         try:
@@ -284,37 +265,13 @@ def folder_problem(folder: Path | str, identity: dict, *, legacy: dict | None = 
             return f"{manifest_path}: unreadable manifest ({exc})"
         if old.get("schema_version") != SCHEMA_VERSION:
             return f"{folder}: holds schema version {old.get('schema_version')!r}, this code writes {SCHEMA_VERSION}"
-        recorded = old.get("identity", {})
-        if identity_format(recorded) == 1 and identity_format(identity) == IDENTITY_FORMAT and legacy is not None:
-            return _legacy_problem(folder, recorded, legacy, migrate)
-        diffs = list(iter_identity_differences(recorded, identity))
+        diffs = list(iter_identity_differences(old.get("identity", {}), identity))
         if diffs:
             return f"{folder} was scored with a different setup:\n  " + "\n  ".join(diffs)
         return None
     if any(shard_index(name) is not None for name in sfs.file_sizes(folder)):
         return f"{folder}: holds shard files but no {MANIFEST_NAME}; its origin is unknown"
     return None
-
-
-def _legacy_problem(folder: Path | str, recorded: dict, legacy: dict, migrate: bool) -> str | None:
-    """:func:`folder_problem` for a manifest of identity format 1."""
-    teacher = dict(recorded.get("teacher") or {})
-    teacher.pop("tokenizer", None)  # a path or hub id; the tokenizer's sha256 says what it is
-    if "model" not in legacy.get("teacher", {}):
-        teacher.pop("model", None)  # the local teacher's path: its weights are not recorded
-    diffs = list(iter_identity_differences({**recorded, "teacher": teacher}, legacy))
-    if diffs:
-        return f"{folder} was scored with a different setup:\n  " + "\n  ".join(diffs)
-    if migrate:
-        return None
-    where = (recorded.get("teacher") or {}).get("model")
-    return (
-        f"{folder} was scored by an older version, whose manifest records the teacher by its path "
-        f"({where!r}) and the corpus files by name and size, not by content. Everything it does "
-        "record matches this setup. If this teacher and corpus scored it, adopt the content identity "
-        "without rescoring: run the same command with migrate_identity=true added "
-        "(make score-teacher ARGS=\"... migrate_identity=true\")."
-    )
 
 
 def _clear_dataset(folder: Path | str) -> None:
@@ -382,12 +339,10 @@ def write_manifest(
     code_version: str | None = None,
     *,
     location: dict | None = None,
-    adopted_from: dict | None = None,
     failed: list[dict] | None = None,
 ) -> dict:
     """Write ``manifest.json`` from the finished shards' entries. ``location`` (where the teacher
-    and corpus were found) is for people and never compared; ``adopted_from`` is the format-1
-    identity that shards written before a migration still carry; ``failed`` lists the shards the
+    and corpus were found) is for people and never compared; ``failed`` lists the shards the
     run gave up on (index, error, attempts), which have no marker and are scored by the next run."""
     shards = [done[i] for i in sorted(done)]
     reasons: dict[str, int] = {}
@@ -411,8 +366,6 @@ def write_manifest(
     }
     if location is not None:
         manifest["location"] = location
-    if adopted_from is not None:
-        manifest["adopted_from"] = adopted_from
     if failed is not None:
         manifest["failed"] = sorted(failed, key=lambda f: f["index"])
     write_json_atomic(sfs.child(folder, MANIFEST_NAME), manifest)

@@ -30,7 +30,6 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.config import ConfigError
-from storage_schemas import identity_format
 from storage_schemas.reader import (
     BadShardError,
     ContractError,
@@ -71,12 +70,8 @@ def group_folders(folders: Sequence[str]) -> list[list[str]]:
 
 def open_teachers(folders: Sequence[str], *, on_bad_shard: str = "error", verify: str = "size",
                   allow_partial: bool = False) -> list[ScoredDataset]:
-    """One opened and validated :class:`ScoredDataset` per teacher (module docstring). Folders that
-    would form several teachers are all opened in one call first when one of them is of identity
-    format 1 (teacher recorded by path): its refusal names the migration that makes it comparable."""
+    """One opened and validated :class:`ScoredDataset` per teacher (module docstring)."""
     groups = group_folders(folders)
-    if len(groups) > 1 and any(identity_format(ScoredDataset.open(f).folders[0].identity) == 1 for f in folders):
-        open_scored_dataset(folders, on_bad_shard=on_bad_shard, verify=verify, allow_partial=allow_partial)
     return [open_scored_dataset(group, on_bad_shard=on_bad_shard, verify=verify, allow_partial=allow_partial)
             for group in groups]
 

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from pipeline.score_teacher.corpus import CorpusConfig
@@ -166,58 +165,17 @@ def test_same_size_changes_to_weights_or_corpus_are_refused(moved_micro, ray_loc
         run_score_job(micro_job(teacher, corpus, out))
 
 
-def format1_identity(identity: dict, teacher: Path, corpus: list[Path]) -> dict:
-    """The identity as the previous version wrote it (checked against a manifest it wrote): the
-    teacher and its tokenizer by path, the corpus files by name, row count and size."""
-    t = identity["teacher"]
-    listing = [[f.name, pq.ParquetFile(f).metadata.num_rows, f.stat().st_size] for f in corpus]
-    return {
-        "teacher": {"name": t["name"], "model": str(teacher), "revision": None, "tokenizer": str(teacher),
-                    "tokenizer_sha256": t["tokenizer_sha256"], "vocab_size": t["vocab_size"], "bos_id": t["bos_id"],
-                    "dtype": t["dtype"], "backend": t["backend"]},
-        "windows": identity["windows"],
-        "loss_precision": identity["loss_precision"],
-        "corpus": {**identity["corpus"], "files_sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest()},
-    }
-
-
-def reissue(folder: Path, identity: dict) -> None:
-    """Rewrite the folder as the previous version left it: every shard's metadata, marker and the
-    manifest carry ``identity``."""
-    manifest = read_manifest(folder)
-    manifest["identity"] = identity
-    manifest.pop("location", None)
-    for entry in manifest["shards"]:
-        path = folder / entry["file"]
-        table = pq.read_table(path)
-        meta = {**table.schema.metadata, META_IDENTITY.encode(): json.dumps(identity, sort_keys=True).encode()}
-        pq.write_table(table.replace_schema_metadata(meta), path)
-        entry["bytes"], entry["sha256"] = path.stat().st_size, file_sha256(path)
-        (folder / entry["file"].replace(".parquet", ".done.json")).write_text(json.dumps(entry))
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-
-
-def test_old_manifest_is_refused_with_the_migration_command_then_adopted(moved_micro, ray_local):
-    from pipeline.inspection.validate import validate_dataset
-    from storage_schemas.reader import open_scored_dataset
-
+def test_a_folder_of_another_identity_format_is_refused_and_kept(moved_micro, ray_local):
+    """A manifest whose identity has no or another ``format`` is another setup: refused with the
+    difference named, nothing rescored or deleted."""
     teacher, corpus, out = moved_micro
-    old = format1_identity(read_manifest(out)["identity"], teacher, corpus)
-    reissue(out, old)
-    before = shard_state(out)
-    with pytest.raises(DatasetMismatchError, match="migrate_identity=true"):
-        run_score_job(micro_job(teacher, corpus, out))
-    with pytest.raises(DatasetMismatchError, match=r"windows\.stride: 32 != 16"):  # migrating checks what it can
-        run_score_job(micro_job(teacher, corpus, out, stride=16, migrate_identity=True))
-    assert shard_state(out) == before, "nothing rescored"
-    adopted = run_score_job(micro_job(teacher, corpus, out, migrate_identity=True))
-    assert adopted.shards_scored == 0 and adopted.complete and shard_state(out) == before
     manifest = read_manifest(out)
-    assert manifest["identity"]["format"] == 2 and manifest["adopted_from"] == old
-    again = run_score_job(micro_job(teacher, corpus, out))  # no flag needed any more
-    assert again.shards_scored == 0 and read_manifest(out)["adopted_from"] == old
-    assert validate_dataset(out).ok, "shards carrying the adopted identity stay valid"
-    assert len(open_scored_dataset([out]).shards) == len(manifest["shards"])
+    del manifest["identity"]["format"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    before = shard_state(out)
+    with pytest.raises(DatasetMismatchError, match=r"format: None != 2"):
+        run_score_job(micro_job(teacher, corpus, out))
+    assert shard_state(out) == before, "nothing rescored, nothing deleted"
 
 
 # ---- stage 2 ---------------------------------------------------------------------------------
