@@ -16,7 +16,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow mutation bench gpu-bench repro eval-student compare clean
+.PHONY: setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,12 +64,20 @@ bench: setup
 	$(PY) -m benchmarks $(ARGS)
 
 # The GPU paths at full scale (7B teacher scoring, 1.1B training step, data pipeline per core):
-# bench-results/gpu-latest.{json,md}. Needs only torch, transformers, accelerate and pyarrow, so it runs with
-# the machine's own Python (no make setup, no network); run it with a vLLM environment's Python
-# (GPU_PYTHON=/path/to/vllm-env/bin/python) to add the vLLM backend. ARGS="--smoke": tiny shapes on CPU.
+# bench-results/gpu-latest.{json,md}; settings in conf/gpu_bench.yaml. Needs only torch, transformers,
+# accelerate, pyarrow, Hydra and OmegaConf, so it runs with the machine's own Python (no make setup, no
+# network; Hydra's wheels: make gpu-bench-wheels here, then there pip install --no-index --find-links
+# .gpu-wheels hydra-core); run it with a vLLM environment's Python (GPU_PYTHON=/path/to/vllm-env/bin/python)
+# to add the vLLM backend. ARGS="smoke=true": tiny shapes on CPU; ARGS="skip=[vllm,data]": some parts only.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-bench:
 	$(GPU_PYTHON) -m benchmarks.gpu $(ARGS)
+
+# Wheels of Hydra, OmegaConf and ANTLR's runtime (pure Python, the versions in $(VENV)) for a GPU
+# machine that lacks them: .gpu-wheels/ (see benchmarks/gpu.py)
+GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime
+gpu-bench-wheels: setup
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir .gpu-wheels $$($(PY) -c 'import sys, importlib.metadata as m; print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))' $(GPU_WHEELS))
 
 # Few-shot chain-of-thought math accuracy of a checkpoint; results side by side
 eval-student: setup

@@ -1,10 +1,18 @@
 """``make gpu-bench``: the GPU paths at full scale, side by side in one run, with random weights.
 
-Needs only torch, transformers, accelerate and pyarrow (no Ray, Polars, Hydra, datasets or
-OmegaConf, no network), so it runs on a bare GPU machine::
+Needs only torch, transformers, accelerate, pyarrow, and Hydra and OmegaConf for its configuration
+(no Ray, Polars or datasets, no network), so it runs on a bare GPU machine::
 
     python -m benchmarks.gpu                  # writes bench-results/gpu-latest.json and .md
-    python -m benchmarks.gpu --smoke          # tiny shapes on CPU in seconds (code paths only)
+    python -m benchmarks.gpu smoke=true       # tiny shapes on CPU in seconds (code paths only)
+    python -m benchmarks.gpu skip=[vllm,data] repeats=3 peak_tflops=989.4 out=bench-results/h100
+
+Settings: :class:`GpuBenchConfig` (``conf/gpu_bench.yaml`` overrides it; ``make gpu-bench
+ARGS="smoke=true"``). Hydra and OmegaConf are pure Python: ``make gpu-bench-wheels`` writes their
+wheels (hydra-core, omegaconf, antlr4-python3-runtime, the versions of this project's environment)
+to ``.gpu-wheels/``; copy the repository with that folder to the GPU machine and there run
+``pip install --no-index --find-links .gpu-wheels hydra-core`` (PyYAML and packaging, which they
+also need, come with transformers).
 
 What is measured (after warm-up, CUDA-synchronised, the sides of each part interleaved A B, B A, ...):
 
@@ -24,12 +32,11 @@ What is measured (after warm-up, CUDA-synchronised, the sides of each part inter
 FLOPs per token follow the PaLM appendix: forward ``2 N + 4 L d T`` with ``N`` the weights of the
 linear layers (output head included, embedding excluded), ``L`` layers, ``d`` the attention width,
 ``T`` the sequence length (attention counted as if not causal); a training step is three forwards.
-MFU = achieved FLOP/s / the GPU's dense bf16 peak (a table by device name, or ``--peak-tflops``).
+MFU = achieved FLOP/s / the GPU's dense bf16 peak (a table by device name, or ``peak_tflops``).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os
@@ -39,12 +46,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from importlib.util import find_spec
 from pathlib import Path
 
+from omegaconf import DictConfig
+
 from benchmarks.results import figure, markdown_table
+from pipeline.config import build, check_at_least, check_choice, raise_if
+from stages.common import entry_point
 from storage_schemas import strict_json
 
 SHAPES = {
@@ -66,6 +77,47 @@ PEAK_BF16_TFLOPS = (
     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0),
     ("A10", 125.0), ("RTX 4090", 165.2), ("RTX A6000", 154.8), ("B200", 2250.0),
 )
+
+
+PARTS = ("vllm", "scoring", "training", "data")  # in the order they run: vLLM's child needs the GPU free
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class GpuBenchConfig:
+    """What ``python -m benchmarks.gpu`` runs; the sizes of a full and a smoke run are
+    :class:`Settings` and :data:`SMOKE`."""
+
+    smoke: bool = False  # tiny shapes on CPU: the code paths, in seconds
+    device: str | None = None  # None: cuda (cpu for a smoke run)
+    dtype: str | None = None  # None: bfloat16 (float32 for a smoke run on CPU, where bf16 is slow)
+    peak_tflops: float | None = None  # the device's dense bf16 peak; None: PEAK_BF16_TFLOPS by device name
+    skip: list[str] = field(default_factory=list)  # parts left out (PARTS)
+    repeats: int | None = None  # None: the mode's (Settings.repeats)
+    teacher_tokenizer: str | None = None  # tokenizer folder/file for the data part; None: one trained here
+    student_tokenizer: str | None = None  # e.g. TinyLlama's tokenizer folder; None: one trained here
+    out: str | None = None  # prefix of the .json/.md; None: bench-results/gpu-latest (gpu-smoke for a smoke run)
+    vllm_child: str | None = None  # internal: the JSON task of the vLLM part's child process (bench_vllm)
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        if self.dtype is not None:
+            check_choice(problems, "dtype", self.dtype, DTYPES)
+        problems += [f"skip: {part!r} is not one of {', '.join(PARTS)}" for part in self.skip if part not in PARTS]
+        check_at_least(problems, "repeats", self.repeats, 1)
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            problems.append(f"peak_tflops: {self.peak_tflops} must be > 0")
+        return problems
+
+
+def gpu_bench_config(cfg: DictConfig) -> GpuBenchConfig:
+    """The typed configuration; every problem is reported at once."""
+    from omegaconf import OmegaConf
+
+    problems: list[str] = []
+    typed = build(GpuBenchConfig, OmegaConf.to_container(cfg, resolve=True), "", problems)
+    raise_if(problems)
+    return typed
 
 
 @dataclass(frozen=True)
@@ -329,9 +381,11 @@ def bench_vllm(s: Settings, device, dtype_name: str, peak: float | None, work: P
         return {"skipped": "vllm is not installed in this environment (it lives in its own; see README)"}
     if device.type != "cuda":
         return {"skipped": "vllm needs a CUDA device"}
-    result = work / "vllm.json"
-    cmd = [sys.executable, "-m", "benchmarks.gpu", "--vllm-child", json.dumps(
-        {"settings": asdict(s), "dtype": dtype_name, "peak": peak, "out": str(result), "work": str(work)})]
+    result, task = work / "vllm.json", work / "vllm-task.json"
+    task.write_text(json.dumps({"settings": asdict(s), "dtype": dtype_name, "peak": peak, "out": str(result),
+                                "work": str(work)}))
+    cmd = [sys.executable, "-m", "benchmarks.gpu", f"vllm_child={task}", f"hydra.run.dir={work / 'vllm-child'}",
+           "hydra.output_subdir=null"]
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         return {"error": f"vLLM child exited {run.returncode}", "stderr_tail": run.stderr[-4000:]}
@@ -502,65 +556,54 @@ def write(report: dict, prefix: Path) -> tuple[Path, Path]:
 # Entry point
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: the code paths, in seconds")
-    p.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                   help="default: bfloat16 (float32 for a smoke run on CPU, where bf16 is slow)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense peak (default: by name)")
-    p.add_argument("--skip", choices=("scoring", "training", "data", "vllm"), action="append", default=[])
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--teacher-tokenizer", default=None, help="tokenizer folder/file for the data part")
-    p.add_argument("--student-tokenizer", default=None, help="e.g. TinyLlama's tokenizer folder")
-    p.add_argument("--out", default=None, help="prefix of the .json/.md (default bench-results/gpu-latest, "
-                                               "bench-results/gpu-smoke with --smoke)")
-    p.add_argument("--vllm-child", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> dict:
+def run_gpu_bench(cfg: GpuBenchConfig) -> dict:
+    """Every part not skipped, the figures, the two files; returns the report."""
     import torch
 
-    args = parse(argv)
-    if args.vllm_child:
-        _vllm_child(json.loads(args.vllm_child))
-        return {}
-    settings = SMOKE if args.smoke else Settings()
-    if args.repeats:
-        settings = replace(settings, repeats=args.repeats)
-    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
-    dtype = args.dtype or ("float32" if args.smoke and device.type == "cpu" else "bfloat16")
+    settings = SMOKE if cfg.smoke else Settings()
+    if cfg.repeats:
+        settings = replace(settings, repeats=cfg.repeats)
+    device = torch.device(cfg.device or ("cpu" if cfg.smoke else "cuda"))
+    dtype = cfg.dtype or ("float32" if cfg.smoke and device.type == "cpu" else "bfloat16")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: python -m benchmarks.gpu --smoke runs the code paths on CPU")
+        raise SystemExit("no CUDA device: python -m benchmarks.gpu smoke=true runs the code paths on CPU")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     info = machine(device, None)
-    peak = args.peak_tflops or (peak_tflops(info["device"]) if device.type == "cuda" else None)
+    peak = cfg.peak_tflops or (peak_tflops(info["device"]) if device.type == "cuda" else None)
     info["peak_bf16_tflops"] = peak
     t0 = time.perf_counter()
-    report = {"mode": "smoke" if args.smoke else "full", "machine": info, "settings": asdict(settings),
+    report = {"mode": "smoke" if cfg.smoke else "full", "machine": info, "settings": asdict(settings),
               "flops_convention": "forward 2N + 4 L d T per token (N: linear-layer weights incl. the output head; "
                                   "attention as if not causal); training step = 3 forwards"}
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as work:
-        parts = {  # vLLM first: its child process needs the GPU free
+        parts = {
             "vllm": lambda: bench_vllm(settings, device, dtype, peak, Path(work)),
             "scoring": lambda: bench_scoring(settings, device, dtype, peak),
             "training": lambda: bench_training(settings, device, dtype, peak),
-            "data": lambda: bench_data(settings, Path(work), args.teacher_tokenizer, args.student_tokenizer),
+            "data": lambda: bench_data(settings, Path(work), cfg.teacher_tokenizer, cfg.student_tokenizer),
         }
-        for name, run in parts.items():
-            if name not in args.skip:
-                report[name] = _run_part(name, run, device, args.smoke)
+        for name in PARTS:
+            if name not in cfg.skip:
+                report[name] = _run_part(name, parts[name], device, cfg.smoke)
     report["seconds"] = time.perf_counter() - t0
     report["figures"] = figures(report)
-    prefix = Path(args.out or ("bench-results/gpu-smoke" if args.smoke else "bench-results/gpu-latest"))
+    prefix = Path(cfg.out or ("bench-results/gpu-smoke" if cfg.smoke else "bench-results/gpu-latest"))
     json_path, md_path = write(report, prefix)
     print(markdown(report))
     print(f"written to {json_path} and {md_path}")
     return report
 
 
-if __name__ == "__main__":
+@entry_point("gpu_bench", asdict(GpuBenchConfig()), check=gpu_bench_config)
+def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(sys.argv[1:])
+    typed = gpu_bench_config(cfg)
+    if typed.vllm_child:
+        _vllm_child(json.loads(Path(typed.vllm_child).read_text()))
+    else:
+        run_gpu_bench(typed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

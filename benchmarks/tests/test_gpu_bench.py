@@ -1,10 +1,11 @@
 """``make gpu-bench`` in its smoke mode on CPU (the real run needs a GPU): it runs where only torch,
-transformers, accelerate and pyarrow exist, writes the JSON and Markdown, and its FLOP and MFU
-arithmetic equals a count worked out by hand."""
+transformers, accelerate, pyarrow, Hydra and OmegaConf (and what they require) exist, writes the JSON and Markdown, and its FLOP and MFU arithmetic equals a count worked out
+by hand."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -13,19 +14,45 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-ABSENT = ("ray", "polars", "hydra", "datasets", "omegaconf")
+# What a bare GPU machine has (with Hydra's wheels carried there: make gpu-bench-wheels). The smoke
+# run sees these distributions and what they require, nothing else: links to them in one folder,
+# Python started with -S (no site-packages), the repository on PYTHONPATH.
+PRESENT = ("torch", "transformers", "accelerate", "pyarrow", "numpy", "hydra-core", "omegaconf")
+NOT_NEEDED = ("ray", "polars", "datasets", "pandas")
 
-# A module set to None in sys.modules is absent for Python: importing it raises
-# ModuleNotFoundError and importlib.util.find_spec() returns None, as on a machine without it.
-RUN_WITHOUT = f"""
-import runpy, sys
-for name in {ABSENT!r}:
-    sys.modules[name] = None
-sys.argv = ["benchmarks.gpu", *sys.argv[1:]]
-runpy.run_module("benchmarks.gpu", run_name="__main__")
-loaded = sorted(n for n in sys.modules if n.split(".")[0] in {ABSENT!r} and sys.modules[n] is not None)
-assert not loaded, loaded
-"""
+
+def _name(distribution: str) -> str:
+    return distribution.lower().replace("_", "-").replace(".", "-")
+
+
+def requirement_closure(names) -> dict:
+    """The installed distributions ``names`` and everything they require (extras left out), by name."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    found, todo = {}, [_name(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found[name] = metadata.distribution(name)
+            for line in found[name].requires or []:
+                req = Requirement(line)
+                if req.marker is None or req.marker.evaluate({"extra": ""}):
+                    todo.append(_name(req.name))
+    return found
+
+
+def bare_site_packages(folder: Path) -> Path:
+    """A folder of links to the files of :data:`PRESENT`'s requirement closure, and nothing else."""
+    folder.mkdir(parents=True)
+    for dist in requirement_closure(PRESENT).values():
+        root = Path(dist.locate_file(""))
+        for top in {Path(f).parts[0] for f in dist.files or [] if Path(f).parts[0] != ".."}:
+            if not (folder / top).exists() and (root / top).exists():
+                (folder / top).symlink_to(root / top)
+    return folder
+
 
 PEAK_TFLOPS = 2.0
 
@@ -38,16 +65,23 @@ TEACHER_FORWARD, STUDENT_STEP = 245_760, 688_128
 
 @pytest.fixture(scope="module")
 def smoke_report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("gpu-bench") / "gpu-smoke"
-    run = subprocess.run([sys.executable, "-c", RUN_WITHOUT, "--smoke", "--peak-tflops", str(PEAK_TFLOPS),
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    work = tmp_path_factory.mktemp("gpu-bench")
+    out = work / "gpu-smoke"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{bare_site_packages(work / 'site-packages')}"}
+    run = subprocess.run([sys.executable, "-S", "-m", "benchmarks.gpu", "smoke=true", f"peak_tflops={PEAK_TFLOPS}",
+                          f"out={out}", f"hydra.run.dir={work / 'logs'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(out.with_suffix(".json").read_text())
     report["_markdown"] = out.with_suffix(".md").read_text()
     return report
 
 
-def test_smoke_runs_without_ray_polars_hydra_datasets_omegaconf(smoke_report):
+def test_the_bare_machine_has_no_ray_polars_datasets_pandas():
+    assert not set(requirement_closure(PRESENT)) & set(NOT_NEEDED)
+
+
+def test_smoke_runs_on_the_bare_machine(smoke_report):
     assert smoke_report["mode"] == "smoke" and smoke_report["machine"]["device_type"] == "cpu"
     assert {"scoring", "training", "data", "vllm", "figures"} <= set(smoke_report)
     assert "| measure | value | target | status |" in smoke_report["_markdown"]
@@ -107,3 +141,34 @@ def test_config_count_equals_the_model_count(smoke_report):
 
     assert _linear_parameters(SHAPES["smoke-teacher"]) == smoke_report["scoring"]["flops_per_token"]["linear_parameters"]
     assert _linear_parameters(SHAPES["smoke-student"]) == smoke_report["training"]["flops_per_token"]["linear_parameters"]
+
+
+def test_settings_are_checked_all_at_once(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "smoke=true", "skip=[vllm,trainng]", "dtype=bf16",
+                          "repeats=0", "peak_tflop=1", f"hydra.run.dir={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    for line in ("skip: 'trainng' is not one of", "dtype: 'bf16' is not one of", "repeats: 0 must be >= 1",
+                 "peak_tflop: unknown key; did you mean peak_tflops?"):
+        assert line in run.stderr, (line, run.stderr)
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_the_vllm_child_is_started_with_its_task_as_a_setting(tmp_path, monkeypatch):
+    """The vLLM part runs in a child process (``vllm_child=<task file>``); its command line is one
+    the entry point accepts, and the task file holds what the child needs."""
+    from types import SimpleNamespace
+
+    import benchmarks.gpu as gpu
+    from stages.common import CONF_DIR, override_problems
+
+    started = []
+    monkeypatch.setattr(gpu, "find_spec", lambda name: object())
+    monkeypatch.setattr(gpu.subprocess, "run", lambda cmd, **kw: started.append(cmd) or SimpleNamespace(returncode=1, stderr=""))
+    gpu.bench_vllm(gpu.SMOKE, SimpleNamespace(type="cuda"), "bfloat16", 1.0, tmp_path)
+    (cmd,) = started
+    assert cmd[1:3] == ["-m", "benchmarks.gpu"]
+    problems, cfg = override_problems(CONF_DIR, "gpu_bench", cmd[3:])
+    assert problems == []
+    task = json.loads(Path(gpu.gpu_bench_config(cfg).vllm_child).read_text())
+    assert task["settings"] == gpu.asdict(gpu.SMOKE) and task["dtype"] == "bfloat16"
