@@ -86,7 +86,8 @@ eval-student: setup
 compare: setup
 	$(PY) -m stages.compare_evals $(ARGS)
 
-# The paper's claims at toy scale (stage 1 + stage 2 + evaluation, 3 seeds): repro-results/report.md
+# The paper's claims at toy scale (stage 1 + stage 2 + evaluation; design in conf/repro.yaml):
+# repro-results/report.md, the claims table alone in repro-results/summary.md
 repro: setup
 	$(PY) -m repro $(ARGS)
 

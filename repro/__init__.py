@@ -1,9 +1,9 @@
 """``make repro``: does the teacher's guidance beat plain continual pretraining at toy scale, and
 when? On a CPU, through the real pipeline (docs/METHOD.md §4.2).
 
-The experiment (:mod:`repro.build`, :mod:`repro.evaluate`,
-:mod:`repro.diagnose`, :mod:`repro.report`; driven by
-``repro/__main__.py`` with ``conf/repro.yaml``):
+The experiment (:mod:`repro.build`, :mod:`repro.evaluate`, :mod:`repro.diagnose`,
+:mod:`repro.report`; driven by ``repro/__main__.py``; its design in ``conf/repro.yaml``, typed and
+checked by :mod:`repro.config`; results in ``repro-results/``, the claims table in ``summary.md``):
 
 * corpora drawn from the sample-corpus generator: the *student corpus* (math pages mixed with
   noise pages: boilerplate, random strings, broken markup, shuffled words), in variants by noise

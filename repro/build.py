@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pipeline.embedded.sample_corpus import build_sample_corpus, clean_texts, generate_documents
+from pipeline.config import check_at_least, check_choice
 from pipeline.embedded.model_shape import ModelShape
+from pipeline.embedded.sample_corpus import build_sample_corpus, clean_texts, generate_documents
 from pipeline.embedded.tiny_student import new_student_model, train_student_tokenizer
 from pipeline.embedded.tiny_teacher import (
     TinyTeacherSpec,
@@ -32,12 +33,22 @@ STUDENT_TOKENIZERS = ("sentencepiece_bpe", "byte_level_bpe")
 
 @dataclass(frozen=True)
 class CorpusSpec:
-    student_docs: int = 400  # the corpus the students train on (mixed)
-    noise_share: float = 0.5  # chance that a page of the student corpus is noise
-    teacher_docs: int = 1500  # clean pages the teachers train on
-    held_out_docs: int = 80  # clean pages nobody trains on (evaluation)
-    pretrain_docs: int = 600  # the base students' general pretraining mixture (same noise share)
-    seed: int = 11  # student corpus; teacher corpus seed + 1, held-out pages seed + 2, pretraining seed + 3
+    """The study's corpora (its values: conf/repro.yaml)."""
+
+    student_docs: int  # the corpus the students train on (mixed)
+    noise_share: float  # chance that a page of the student corpus is noise
+    teacher_docs: int  # clean pages the teachers train on
+    held_out_docs: int  # clean pages nobody trains on (evaluation)
+    pretrain_docs: int  # the base students' general pretraining mixture (same noise share)
+    seed: int  # student corpus; teacher corpus seed + 1, held-out pages seed + 2, pretraining seed + 3
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("student_docs", "teacher_docs", "held_out_docs", "pretrain_docs"):
+            check_at_least(problems, name, getattr(self, name), 1)
+        if not 0.0 <= self.noise_share <= 1.0:
+            problems.append(f"noise_share: {self.noise_share} is not in [0, 1]")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -48,15 +59,31 @@ class StudentSpec(ModelShape):
     tokenizer: str  # one of STUDENT_TOKENIZERS
     vocab_size: int
 
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        check_choice(problems, "tokenizer", self.tokenizer, STUDENT_TOKENIZERS)
+        check_at_least(problems, "vocab_size", self.vocab_size, 260)  # the byte pieces and the specials, at least
+        return problems
+
 
 @dataclass(frozen=True)
 class PretrainSpec:
-    """How each base student is pretrained before continual pretraining (plain next-token loss)."""
-    steps: int = 300
-    batch_size: int = 8
-    block: int = 256
-    learning_rate: float = 2e-3
-    seed: int = 0  # initialisation and data order of the base
+    """How each base student is pretrained before continual pretraining (plain next-token loss;
+    the study's values: conf/repro.yaml)."""
+
+    steps: int
+    batch_size: int
+    block: int
+    learning_rate: float
+    seed: int  # initialisation and data order of the base
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        for name in ("steps", "batch_size", "block"):
+            check_at_least(problems, name, getattr(self, name), 1)
+        if self.learning_rate <= 0:
+            problems.append(f"learning_rate: {self.learning_rate} must be > 0")
+        return problems
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,9 +22,6 @@ from pathlib import Path
 
 from repro.stats import LEVEL, NOT_RUN, paired_test, t_quantile, verdict, weakest
 
-README_START = "<!-- repro-table:start -->"
-README_END = "<!-- repro-table:end -->"
-
 RULE = ("Each comparison A vs B uses the seed-paired differences A - B of held-out bits per byte (lower is "
         "better; the same seed means the same data order and random draws): their mean, a 95% t interval over "
         "seeds (mean ± t(0.975, n-1)·sd/√n) and the two-sided p of the paired t test. Verdict: **holds** when the "
@@ -277,6 +274,30 @@ def claims_markdown(claims: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary_markdown(claims: list[dict]) -> str:
+    """The short results table: one row per claim, with the paper's finding, our verdict and, per
+    comparison it rests on, the seed-paired difference's 95% interval, p and number of seeds."""
+    lines = ["| # | the paper's finding | our verdict | A - B in bits/byte: mean [95% CI] | p | seeds |",
+             "|---|---|---|---|---|---|"]
+    for c in claims:
+        parts = [e for e in c["evidence"] if e["test"] is not None or e["comparison"] != "not run"] or c["evidence"][:1]
+        named = len(parts) > 1
+        cells = [[], [], []]
+        for e in parts:
+            p, label = e["test"], f"{e['comparison']}: " if named else ""
+            if p is None:
+                cells[0].append(f"{label}{e['verdict']}" if e["comparison"] != "not run" else "not run")
+                cells[1].append("—")
+                cells[2].append("—")
+                continue
+            ci = f"{p['mean']:+.4f}" + (" (one seed)" if p["ci"] is None else f" [{p['ci'][0]:+.4f}, {p['ci'][1]:+.4f}]")
+            cells[0].append(f"{label}{ci}")
+            cells[1].append("—" if p["p"] is None or math.isnan(p["p"]) else f"{p['p']:.2g}")
+            cells[2].append(str(p["n"]))
+        lines.append(f"| {c['claim']} | {c['text']} | **{c['verdict']}** | " + " | ".join("<br>".join(x) for x in cells) + " |")
+    return "\n".join(lines)
+
+
 def sweep_markdown(arms: dict[str, ArmSummary]) -> str:
     sweep = sweep_points(arms)
     if not sweep:
@@ -491,8 +512,10 @@ def _json_safe(x):
     return x
 
 
-def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Path, readme: Path | None,
+def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Path,
                  diagnosis: dict | None = None) -> dict:
+    """``report.md`` (everything), ``report.json`` (every run and test), ``summary.md`` (the claims
+    table alone) and the plots, in ``out_dir``; returns the JSON record."""
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = summarize(results)
     claims = check_claims(arms, results)
@@ -538,21 +561,19 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
                            **{m: arms[n].interval(m) for m in METRICS}} for n in order if n in arms},
               "runs": [portable(r) for r in results]}
     (out_dir / "report.json").write_text(json.dumps(_json_safe(record), indent=1, default=str) + "\n")
-    if readme is not None and readme.is_file():
-        partial = setup.get("runs_planned", setup["n_runs"]) > setup["n_runs"]
-        runs = (f"partial: {setup['n_runs']} of {setup['runs_planned']} planned runs" if partial
-                else f"{setup['n_runs']} runs, {setup['seconds'] / 60:.1f} min")
-        update_readme(readme, f"Latest run: {setup['finished'][:10]}, {setup['machine']} ({runs}). "
-                              f"Full report: `{out_dir.name}/report.md`.\n\n"
-                              + (f"![sweep]({out_dir.name}/sweep.png)\n\n" if has_sweep else "") + claim_table)
+    write_summary(claims, setup, out_dir)
     return record
 
 
-def update_readme(readme: Path, section: str) -> bool:
-    """Replace the text between the repro markers; False (and no change) when they are absent."""
-    text = readme.read_text()
-    pattern = re.compile(re.escape(README_START) + r".*?" + re.escape(README_END), re.S)
-    if not pattern.search(text):
-        return False
-    readme.write_text(pattern.sub(lambda _: f"{README_START}\n{section}\n{README_END}", text))
-    return True
+def write_summary(claims: list[dict], setup: dict, out_dir: Path) -> Path:
+    """``summary.md``: what the run was, and :func:`summary_markdown`'s table."""
+    partial = setup.get("runs_planned", setup["n_runs"]) > setup["n_runs"]
+    runs = (f"partial: {setup['n_runs']} of {setup['runs_planned']} planned runs" if partial
+            else f"{setup['n_runs']} runs, {setup['seconds'] / 60:.1f} min")
+    path = out_dir / "summary.md"
+    path.write_text("\n".join([
+        f"# Toy-scale reproduction: the paper's findings ({setup['finished'][:10]})", "",
+        f"{setup['machine']} ({runs}). A claim holds when the 95% interval of the seed-paired difference lies "
+        "wholly on the claimed side of zero (negative: A better); the rule and every table: `report.md`.", "",
+        summary_markdown(claims), ""]))
+    return path

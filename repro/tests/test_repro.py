@@ -21,15 +21,13 @@ import pytest
 from repro.diagnose import select_top, summarize_selection, token_losses
 from repro.evaluate import Completion, answer_scores, bits_per_byte, completion_items, continuation_losses
 from repro.report import (
-    README_END,
-    README_START,
     check_claims,
     compare,
     compare_gains,
     noise_points,
     summarize,
+    summary_markdown,
     sweep_points,
-    update_readme,
     write_report,
 )
 
@@ -229,16 +227,14 @@ def test_sweep_and_noise_points():
     assert noise_points(arms) == [(0, "guided_noise0", "cpt_noise0"), (50, "guided", "cpt")]
 
 
-def test_write_report_files_and_readme_section(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\nbefore\n{README_START}\nold table\n{README_END}\nafter\n")
+def test_write_report_files_and_summary(tmp_path):
     setup = {"finished": "2026-11-21T12:00:00+00:00", "seconds": 60.0, "machine": "test", "seed_sets": {"main": [0, 1, 2, 3]},
              "n_runs": 68, "runs_planned": 70, "train_tokens_per_run": 100,
              "power": {"pilot_sd": 0.0134, "pilot_seeds": 3, "pilot_note": "test", "delta": 0.01, "power": 0.8,
                        "settings_note": "Settings committed first."}}
     results = _results(_all_arms())
     order = list(_all_arms())
-    record = write_report(results, order, setup, tmp_path / "out", readme, diagnosis={})
+    record = write_report(results, order, setup, tmp_path / "out", diagnosis={})
     for png in ("report.png", "sweep.png"):
         assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     written = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -248,11 +244,26 @@ def test_write_report_files_and_readme_section(tmp_path):
     assert "interval lies wholly on the claimed side of zero" in body and "Partial report: 68 of the 70" in body
     assert "n = 17 seeds" in body  # the power computation: sd 0.0134, delta 0.01, 80%
     assert "Settings committed first." in body
-    text = readme.read_text()
-    assert "old table" not in text and text.startswith("# x\n\nbefore\n") and text.endswith("after\n")
-    assert "sweep.png" in text and "**holds**" in text and "Latest run: 2026-11-21" in text
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "(2026-11-21)" in summary and "partial: 68 of 70 planned runs" in summary
+    assert summary_markdown(record["claims"]) in summary
     assert record["claims"][0]["verdict"] == "holds"
-    assert update_readme(tmp_path / "out" / "report.md", "x") is False  # no markers: untouched
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.json", "report.md", "report.png",
+                                                                     "summary.md", "sweep.png"]
+
+
+def test_summary_has_one_row_per_claim_with_interval_p_and_seeds():
+    claims = check_claims(summarize(_results(_all_arms())), _results(_all_arms()))
+    rows = summary_markdown(claims).splitlines()
+    assert rows[0] == "| # | the paper's finding | our verdict | A - B in bits/byte: mean [95% CI] | p | seeds |"
+    assert len(rows) == 2 + len(claims)
+    first = claims[0]["evidence"][0]["test"]
+    cells = [c.strip() for c in rows[2].split("|")[1:-1]]
+    assert cells[:3] == ["1", claims[0]["text"], f"**{claims[0]['verdict']}**"]
+    assert cells[3] == f"{first['mean']:+.4f} [{first['ci'][0]:+.4f}, {first['ci'][1]:+.4f}]" and cells[5] == str(first["n"])
+    assert cells[4] == f"{first['p']:.2g}"
+    several = next(r for r, c in zip(rows[2:], claims) if len(c["evidence"]) > 1)
+    assert several.count("<br>") >= 3  # a claim of several comparisons: each one's interval, p and seeds
 
 
 def test_token_losses_match_the_models_own_loss(digit_first_model):
@@ -300,14 +311,14 @@ def test_selection_diagnosis_by_hand():
 KEEP = ("guided", "cpt", "random_r20", "guided_noise0", "cpt_noise0", "bbpe_guided")
 
 
-def _small_args(tmp_path: Path, readme: Path) -> list[str]:
+def _small_args(tmp_path: Path) -> list[str]:
     """The full pipeline at tiny settings: six arms (the main pair, one sweep arm, the noise-free
     corpus's pair, the second student), two seeds for main arms and one for the rest."""
     drop = [f"~arms.{a}" for a in _conf_arms() if a not in KEEP] + ["~student_corpora.noise25"]
     return [
         sys.executable, "-m", "repro", *drop,
         f"artifacts_dir={tmp_path / 'artifacts'}", f"work_dir={tmp_path / 'work'}", f"report_dir={tmp_path / 'report'}",
-        f"readme={readme}", "corpus.student_docs=36", "corpus.teacher_docs=60", "corpus.held_out_docs=4",
+        "corpus.student_docs=36", "corpus.teacher_docs=60", "corpus.held_out_docs=4",
         "teachers.strong.steps=3", "students.spm.vocab_size=600", "students.bbpe.vocab_size=300",
         "corpus.pretrain_docs=30", "pretrain.steps=3", "pretrain.block=64", "pretrain.batch_size=2",
         "seed_sets.main=[0,1]", "seed_sets.sweep=[0]", "train_steps=2", "eval.completions=4", "eval.window=64",
@@ -325,9 +336,7 @@ def _conf_arms() -> list[str]:
 
 
 def test_make_repro_end_to_end_small(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"{README_START}\n{README_END}\n")
-    args = _small_args(tmp_path, readme)
+    args = _small_args(tmp_path)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -352,7 +361,7 @@ def test_make_repro_end_to_end_small(tmp_path):
     assert set(report["diagnosis"]) == {"spm", "bbpe"}
     for d in report["diagnosis"].values():  # kept shares by page kind add up to one
         assert sum(k["kept_share_of_all_kept"] for k in d["by_kind"].values()) == pytest.approx(1.0)
-    assert "**" in readme.read_text() and (tmp_path / "report" / "sweep.png").is_file()
+    assert "**" in (tmp_path / "report" / "summary.md").read_text() and (tmp_path / "report" / "sweep.png").is_file()
     bases = report["setup"]["base_students"]  # both base students evaluated before continual pretraining
     assert set(bases) == {"spm", "bbpe"} and all(0 < b["bits_per_byte"] < 20 for b in bases.values())
 
@@ -396,9 +405,7 @@ def test_make_repro_from_nothing_twice_gives_identical_figures(tmp_path):
     for name in ("first", "second"):
         root = tmp_path / name
         root.mkdir()
-        readme = root / "README.md"
-        readme.write_text(f"{README_START}\n{README_END}\n")
-        proc = subprocess.run(_small_args(root, readme), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(_small_args(root), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         reports.append(json.loads((root / "report" / "report.json").read_text()))
     first, second = (_figures(r) for r in reports)

@@ -14,7 +14,8 @@ import stages.train_student  # noqa: F401  (registers the stage-2 defaults the r
 from repro.teachers_report import choose_default, detectable_difference, teacher_arms, write_teachers_report
 from repro.report import summarize
 from stages.common import ConfigError
-from repro.__main__ import check, tasks
+from repro.__main__ import tasks
+from repro.config import study_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCORED = {("strong", "main"): "/data/scored/strong/v1", ("weak", "main"): "/data/scored/weak/v1",
@@ -30,9 +31,9 @@ def _cfg(tmp_path, *overrides):
 def test_an_arm_of_two_teachers_trains_on_both_folders_in_order(tmp_path):
     cfg = _cfg(tmp_path, "+arms.weak_first={teacher: [weak, strong], student: spm, seeds: sweep, "
                          "overrides: ['loss.combine=max']}")
-    check(cfg)
+    study = study_config(cfg)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        by_arm = {t.arm: t for t in tasks(cfg, SCORED, {"spm": "/m/spm", "bbpe": "/m/bbpe"}, ["held out"])}
+        by_arm = {t.arm: t for t in tasks(study, SCORED, {"spm": "/m/spm", "bbpe": "/m/bbpe"}, ["held out"])}
     strong, weak = SCORED["strong", "main"], SCORED["weak", "main"]
     expected = {"teachers_min": ("min", None), "teachers_mean": ("mean", None), "teachers_max": ("max", None),
                 "teachers_weighted": ("weighted", [0.75, 0.25])}
@@ -52,7 +53,7 @@ def test_a_bad_teacher_list_is_refused_with_the_arm_named(tmp_path):
     cfg = _cfg(tmp_path, "arms.teachers_min.teacher=[strong,nobody]", "arms.teachers_max.teacher=[weak,weak]",
                "arms.teachers_mean.teacher=[]", "arms.teachers_weighted.teacher=null")
     with pytest.raises(ConfigError) as err:
-        check(cfg)
+        study_config(cfg)
     text = str(err.value)
     assert "arms.teachers_min.teacher: 'nobody' is not one of strong, weak" in text
     assert "arms.teachers_max.teacher: ['weak', 'weak'] names a teacher twice" in text
