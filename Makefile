@@ -56,7 +56,7 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow
 
 # Break the core on purpose (mutation/mutants.toml) and check the default suite notices:
-# mutation-results/latest.md. ARGS="--only W1,T1" for some mutants, ARGS=--check to check the table.
+# mutation-results/latest.md. ARGS="only=[W1,T1]" for some mutants, ARGS="check=true" to check the table.
 mutation: setup
 	$(PY) -m mutation $(ARGS)
 

@@ -10,21 +10,22 @@ failure stops it), and restores the file. The working tree is never modified. A 
 * ``survived`` when they pass,
 * ``equivalent`` when it survives and the table says why it cannot be told apart from the
   original (a mutant marked equivalent that is killed is reported as killed, and as a wrong entry),
-* ``error`` when its snippet is not found exactly once, or the mutated file does not compile:
-  the table needs updating after the code moved.
+* ``error`` when its snippet is not found exactly once, the mutated file does not compile, or a
+  test path it names does not exist: the table needs updating after the code moved.
 
 Before the mutants, the union of their tests runs on the unmutated copy (the baseline): a mutant
 only counts as killed if those tests pass without it. Results go to ``mutation-results/latest.json``
 and ``latest.md``. The exit status is 0 when every mutant is killed or listed as equivalent.
 
     python -m mutation                  # everything (make mutation)
-    python -m mutation --only W1,T1     # some mutants
-    python -m mutation --check          # only check that every snippet is found
+    python -m mutation only=[W1,T1]     # some mutants (make mutation ARGS="only=[W1,T1]")
+    python -m mutation check=true       # only check the table: every snippet found once, every test path there
+
+Settings: :class:`MutationConfig` (``conf/mutation.yaml`` overrides it).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -37,12 +38,43 @@ import sys
 import tempfile
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from omegaconf import DictConfig
+
+from pipeline.config import ConfigError, build, raise_if
+from stages.common import entry_point
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).resolve().parent / "mutants.toml"
 RESULTS = REPO / "mutation-results"
+
+
+@dataclass(frozen=True)
+class MutationConfig:
+    only: list[str] = field(default_factory=list)  # mutant ids; empty: every mutant
+    check: bool = False  # only check the table (table_problems), run nothing
+    baseline: bool = True  # first run the mutants' tests on the unmutated copy
+    timeout: float = 600.0  # seconds per mutant before it counts as killed
+    write: bool = True  # false: print only, leave mutation-results/ alone (also with only=[...])
+
+    def problems(self) -> list[str]:
+        return [] if self.timeout > 0 else [f"timeout: {self.timeout} must be > 0"]
+
+
+def mutation_config(cfg: DictConfig) -> MutationConfig:
+    """The typed settings, the mutant ids checked against the table; every problem at once."""
+    from omegaconf import OmegaConf
+
+    problems: list[str] = []
+    values = OmegaConf.to_container(cfg, resolve=True)
+    typed = build(MutationConfig, values, "", problems)
+    known = [m.id for m in load_mutants()]
+    only = values.get("only") if isinstance(values.get("only"), list) else []
+    problems += [f"only: {i!r} is not a mutant id of {TABLE.name}" for i in only if i not in known]
+    raise_if(problems)
+    return typed
 
 
 @dataclass
@@ -67,8 +99,23 @@ def load_mutants(path: Path = TABLE) -> list[Mutant]:
     ids = [m.id for m in mutants]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
-        raise SystemExit(f"{path}: duplicate mutant ids {duplicates}")
+        raise ConfigError(f"{path}: duplicate mutant ids {duplicates}")
     return mutants
+
+
+def table_problems(mutants: list[Mutant], root: Path = REPO) -> list[tuple[str, str]]:
+    """``(mutant id, problem)`` for every mutant that no longer applies to the tree at ``root``:
+    its file is gone, its snippet is not found exactly once or the mutated file does not compile,
+    or a test path it names does not exist."""
+    found = []
+    for m in mutants:
+        path = root / m.file
+        problem = snippet_problem(m, path.read_text()) if path.is_file() else f"{m.file}: no such file: update the table"
+        if problem:
+            found.append((m.id, problem))
+        found += [(m.id, f"tests: {t} does not exist: update the table") for t in m.tests
+                  if not (root / t.split("::")[0]).exists()]
+    return found
 
 
 def snippet_problem(m: Mutant, source: str) -> str | None:
@@ -145,11 +192,10 @@ def run(mutants: list[Mutant], timeout: float, baseline: bool) -> dict:
     try:
         copy_working_tree(copy)
         check_import_location(copy)
-        sources = {m.file: (copy / m.file).read_text() for m in mutants}
-        for m in mutants:
-            problem = snippet_problem(m, sources[m.file])
-            if problem:
-                m.status, m.detail = "error", problem
+        for mid, problem in table_problems(mutants, copy):
+            m = next(m for m in mutants if m.id == mid)
+            m.status, m.detail = "error", "; ".join(filter(None, [m.detail, problem]))
+        sources = {m.file: (copy / m.file).read_text() for m in mutants if not m.status}
         runnable = [m for m in mutants if not m.status]
         baseline_result = None
         if baseline and runnable:
@@ -233,31 +279,18 @@ def write_results(result: dict, folder: Path = RESULTS) -> None:
     (folder / "latest.md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", help="comma-separated mutant ids")
-    parser.add_argument("--check", action="store_true", help="only check that every snippet applies")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the focused tests")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant before it counts as killed")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave mutation-results/ alone")
-    args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that a `kill` still cleans up
-    mutants = load_mutants()
-    if args.only:
-        wanted = args.only.split(",")
-        unknown = sorted(set(wanted) - {m.id for m in mutants})
-        if unknown:
-            raise SystemExit(f"unknown mutant ids {unknown}")
-        mutants = [m for m in mutants if m.id in wanted]
-    if args.check:
-        problems = [(m.id, snippet_problem(m, (REPO / m.file).read_text())) for m in mutants]
-        for mid, problem in problems:
-            if problem:
-                print(f"{mid}: {problem}")
-        print(f"{len(mutants)} mutants, {sum(p is None for _, p in problems)} apply")
-        return int(any(problem for _, problem in problems))
-    result = run(mutants, args.timeout, baseline=not args.no_baseline)
-    if not args.no_write and not args.only:
+def check_table(mutants: list[Mutant]) -> int:
+    """Print every mutant that no longer applies; 1 when there is one."""
+    problems = table_problems(mutants)
+    for mid, problem in problems:
+        print(f"{mid}: {problem}")
+    print(f"{len(mutants)} mutants, {len(mutants) - len({mid for mid, _ in problems})} apply")
+    return int(bool(problems))
+
+
+def run_mutants(mutants: list[Mutant], cfg: MutationConfig) -> int:
+    result = run(mutants, cfg.timeout, baseline=cfg.baseline)
+    if cfg.write and not cfg.only:
         write_results(result)
     c = result["counts"]
     print(f"{result['total']} mutants: {c['killed']} killed, {c['equivalent']} equivalent, {c['survived']} survived, "
@@ -267,6 +300,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {m['id']} ({m['file']}): {m['status']}: {m['detail']}")
     wrong = [m for m in result["mutants"] if "fix the table" in m["detail"]]
     return 0 if c["survived"] == 0 and c["error"] == 0 and not wrong else 1
+
+
+@entry_point("mutation", asdict(MutationConfig()), check=mutation_config)
+def main(cfg: DictConfig) -> None:
+    """Exit status 0 when every mutant is killed or listed as equivalent (with check=true: when
+    every mutant applies), else 1."""
+    settings = mutation_config(cfg)
+    mutants = [m for m in load_mutants() if not settings.only or m.id in settings.only]
+    status = check_table(mutants) if settings.check else run_mutants(mutants, settings)
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":
