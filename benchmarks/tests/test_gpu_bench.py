@@ -159,8 +159,10 @@ def test_the_vllm_child_is_started_with_its_task_as_a_setting(tmp_path, monkeypa
     the entry point accepts, and the task file holds what the child needs."""
     from types import SimpleNamespace
 
+    from hydra import compose, initialize_config_dir
+
     import benchmarks.gpu as gpu
-    from stages.common import CONF_DIR, override_problems
+    from stages.common import CONF_DIR, check_command_line
 
     started = []
     monkeypatch.setattr(gpu, "find_spec", lambda name: object())
@@ -168,7 +170,8 @@ def test_the_vllm_child_is_started_with_its_task_as_a_setting(tmp_path, monkeypa
     gpu.bench_vllm(gpu.SMOKE, SimpleNamespace(type="cuda"), "bfloat16", 1.0, tmp_path)
     (cmd,) = started
     assert cmd[1:3] == ["-m", "benchmarks.gpu"]
-    problems, cfg = override_problems(CONF_DIR, "gpu_bench", cmd[3:])
-    assert problems == []
+    args = check_command_line(CONF_DIR, "gpu_bench", cmd[3:], gpu.gpu_bench_config)  # raises on any problem
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("gpu_bench", overrides=[a for a in args if not a.startswith("hydra.")])
     task = json.loads(Path(gpu.gpu_bench_config(cfg).vllm_child).read_text())
     assert task["settings"] == gpu.asdict(gpu.SMOKE) and task["dtype"] == "bfloat16"
