@@ -31,7 +31,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from huggingface_hub import DatasetCardData
 
-from pipeline.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram, loss_histogram_query, merge_bins
+from pipeline.loss_histogram import (
+    DEFAULT_BIN_WIDTH,
+    LossHistogram,
+    loss_histogram_query,
+    merge_bins,
+)
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,

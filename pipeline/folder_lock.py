@@ -18,6 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
+
 from pipeline.config import UserError
 from storage_schemas import filesystem as sfs
 
@@ -161,7 +163,6 @@ def _boot_id() -> str:
 
 def _process_start(pid: int) -> float | None:
     """When process ``pid`` started (``None``: no such process); a reused pid starts later."""
-    import psutil
 
     try:
         return psutil.Process(pid).create_time()

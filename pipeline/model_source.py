@@ -20,6 +20,14 @@ import shutil
 from pathlib import Path
 
 import torch
+from huggingface_hub import HfApi, constants, snapshot_download, try_to_load_from_cache
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HFValidationError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from transformers import AutoModelForCausalLM
 
 from pipeline.config import ConfigError, UserError
 
@@ -79,7 +87,6 @@ def _list_files(teacher, key: str, timeout_s: float, need_weights: bool) -> set[
     cached = _cached_files(teacher, ref)
     if cached and (not need_weights or _weight_files(cached)):
         return cached
-    from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
         what = "is not" if not cached else "has only part of it"
@@ -90,8 +97,6 @@ def _list_files(teacher, key: str, timeout_s: float, need_weights: bool) -> set[
 
 def _cached_files(teacher, ref: str) -> set[str]:
     """Files of the cached snapshot of ``ref`` at the teacher's revision (no network)."""
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
 
     try:
         config = try_to_load_from_cache(ref, "config.json", revision=teacher.revision)
@@ -107,8 +112,6 @@ def _cached_files(teacher, ref: str) -> set[str]:
 
 def _hub_files(teacher, ref: str, timeout_s: float) -> set[str]:
     """One Hub request, no retries."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
         info = HfApi().model_info(ref, revision=teacher.revision, timeout=timeout_s)
@@ -158,7 +161,6 @@ def convert_to_safetensors(model: str, out_dir: str | os.PathLike, revision: str
     can differ). The folder is written under a temporary name and renamed; ``converted_from.json``
     records the source. An existing non-empty ``out_dir`` is refused.
     """
-    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -181,8 +183,6 @@ def convert_to_safetensors(model: str, out_dir: str | os.PathLike, revision: str
 def _copy_tokenizer_files(model: str, revision: str | None, dest: Path) -> list[str]:
     source = Path(os.path.expanduser(model))
     if not source.is_dir():
-        from huggingface_hub import snapshot_download
-
         source = Path(snapshot_download(model, revision=revision, allow_patterns=list(_TOKENIZER_FILES)))
     copied = []
     for name in _TOKENIZER_FILES:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from transformers import AutoTokenizer, LlamaTokenizer
 
 from pipeline.config import MissingPathError, UserError
 
@@ -110,7 +111,6 @@ def load_tokenizer(source: str, *, revision: str | None = None, trust_remote_cod
     * ``path/to/tokenizer.model`` (SentencePiece): copied into a cache folder as
       ``tokenizer.model`` and loaded with ``LlamaTokenizer`` (which converts it to a fast tokenizer).
     """
-    from transformers import AutoTokenizer, LlamaTokenizer
 
     path = Path(os.path.expanduser(source))
     if path.suffix == ".gguf":

@@ -27,10 +27,17 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.config import ConfigError, UserError, build, nearest, raise_if  # noqa: F401  (entry points import them from here)
-from storage_schemas import ContractError
+from storage_schemas import ContractError, dataset_dir
 from storage_schemas.reader import DocumentNotFoundError
 
 T = TypeVar("T")
@@ -38,8 +45,6 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def _dataset_dir(root: str, corpus: str, teacher: str) -> str:
-    from storage_schemas import dataset_dir
-
     folder = dataset_dir(root, corpus, teacher)
     return folder if isinstance(folder, str) else folder.as_posix()  # an object-store URI stays a string
 
@@ -57,7 +62,6 @@ def plain(cfg: DictConfig | dict, key: str | None = None) -> dict:
 def register_defaults(name: str, tree: dict) -> None:
     """Make an entry point's defaults (taken from its typed configs) the first entry of its YAML's
     defaults list, so the YAML only overrides and every key can be overridden without ``+``."""
-    from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name=name, node=tree)
 
@@ -134,7 +138,6 @@ def entry_point(config_name: str, defaults: dict | None, check: Callable[[DictCo
     :func:`pipeline.config.defaults`) once as ``<config_name>_defaults``; on the command line, check
     every override and the whole config (``check`` raises :class:`ConfigError`) before Hydra runs
     ``main``, and report every problem at once (module docstring)."""
-    import hydra
 
     if defaults is not None:
         register_defaults(f"{config_name}_defaults", defaults)
@@ -145,7 +148,7 @@ def entry_point(config_name: str, defaults: dict | None, check: Callable[[DictCo
 
         @functools.wraps(main)
         def run() -> Any:
-            exit_on_user_error(check_command_line)(config_dir, config_name, sys.argv[1:], check)
+            sys.argv[1:] = exit_on_user_error(check_command_line)(config_dir, config_name, sys.argv[1:], check)
             return hydra_main()
 
         run.check = check
@@ -154,15 +157,15 @@ def entry_point(config_name: str, defaults: dict | None, check: Callable[[DictCo
     return decorate
 
 
-def check_command_line(config_dir: Path, config_name: str, args: list[str], check: Callable[[DictConfig], Any]) -> None:
+def check_command_line(config_dir: Path, config_name: str, args: list[str], check: Callable[[DictConfig], Any]) -> list[str]:
     """Raise one :class:`ConfigError` listing every problem of the command line's overrides and of
-    the configuration they compose (``check``'s), or return."""
-    overrides = [a for a in args if not a.startswith("-")]
-    if any(a in ("-m", "--multirun", "--help", "-h", "--hydra-help", "--info") or a.startswith("--cfg") for a in args):
-        return  # Hydra's own modes: left to Hydra
-    problems, cfg = override_problems(config_dir, config_name, overrides)
+    the configuration they compose (``check``'s), or return the arguments for Hydra: a mapping given
+    whole to a key that holds one (``ray.env_vars={HF_HOME: /x}``) replaces it."""
+    if any(a.startswith("-") for a in args):
+        return args  # Hydra's own modes and flags (--cfg, --help, -m ...): left to Hydra
+    problems, cfg, replaced = override_problems(config_dir, config_name, args)
     if not problems:
-        return  # the entry point checks the config itself, with the files and the environment it sees then
+        return [replaced.get(a, a) for a in args]  # the entry point checks the config itself, files included
     if cfg is not None:
         try:
             check(cfg)
@@ -171,19 +174,16 @@ def check_command_line(config_dir: Path, config_name: str, args: list[str], chec
     raise_if(problems)
 
 
-def override_problems(config_dir: Path, config_name: str, overrides: list[str]) -> tuple[list[str], DictConfig | None]:
-    """Problems of ``overrides`` against the config they change, and the config composed from the
-    overrides that have none (None when even that fails to compose)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+def override_problems(config_dir: Path, config_name: str,
+                      overrides: list[str]) -> tuple[list[str], DictConfig | None, dict[str, str]]:
+    """Problems of ``overrides`` against the config they change, the config composed from the
+    overrides that have none (None when even that fails to compose), and the overrides rewritten
+    for Hydra (a whole mapping for a mapping key: ``++``, which Hydra lets add keys)."""
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
-        return [f"command line: {str(exc).splitlines()[0]}"], None
+        return [f"command line: {str(exc).splitlines()[0]}"], None, {}
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
@@ -203,14 +203,20 @@ def override_problems(config_dir: Path, config_name: str, overrides: list[str]) 
         try:
             base = compose(config_name=config_name, overrides=kept_groups)
         except (HydraException, OmegaConfBaseException) as exc:
-            return problems + [f"config: {_first_line(exc)}"], None
+            return problems + [f"config: {_first_line(exc)}"], None, {}
         kept = list(kept_groups)
+        replaced: dict[str, str] = {}
         for o in parsed:
             if o.key_or_group.startswith("hydra") or o.key_or_group in groups:
                 continue
             exists = OmegaConf.select(base, o.key_or_group, default=_ABSENT, throw_on_resolution_failure=False) is not _ABSENT
+            node = OmegaConf.select(base, o.key_or_group, default=None, throw_on_resolution_failure=False)
             if o.is_add() and exists:
-                kept.append(o.input_line[1:])  # Hydra refuses + on a key that exists: set it
+                replaced[o.input_line] = o.input_line[1:]  # Hydra refuses + on a key that exists: set it
+                kept.append(replaced[o.input_line])
+            elif exists and isinstance(node, DictConfig) and isinstance(o.value(), dict) and not o.is_force_add():
+                replaced[o.input_line] = "++" + o.input_line  # a whole mapping: Hydra adds its keys
+                kept.append(replaced[o.input_line])
             elif not exists and not o.is_add() and not o.is_force_add() and not o.is_delete():
                 problems.append(unknown_key(base, o.key_or_group))
             else:
@@ -218,9 +224,9 @@ def override_problems(config_dir: Path, config_name: str, overrides: list[str]) 
         try:
             cfg = compose(config_name=config_name, overrides=kept)
         except (HydraException, OmegaConfBaseException) as exc:
-            return problems + [f"command line: {_first_line(exc)}"], None
+            return problems + [f"command line: {_first_line(exc)}"], None, replaced
     GlobalHydra.instance().clear()
-    return problems, cfg
+    return problems, cfg, replaced
 
 
 _ABSENT = object()

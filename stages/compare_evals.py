@@ -18,7 +18,12 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
 from pipeline.config import defaults
-from pipeline.evaluation.compare import compare, load_result, markdown_table, write_comparison
+from pipeline.evaluation.compare import (
+    compare,
+    load_result,
+    markdown_table,
+    write_comparison,
+)
 from stages.common import build, entry_point, plain, raise_if
 
 

@@ -13,9 +13,10 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
 from pipeline.config import defaults
-from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
 from pipeline.model_source import check_teacher_source, convert_to_safetensors
+from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
 from stages.common import build, entry_point, plain, quiet_libraries, raise_if
+
 
 def teacher_config(cfg: DictConfig) -> TeacherConfig:
     problems: list[str] = []

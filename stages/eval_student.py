@@ -17,10 +17,18 @@ from pathlib import Path
 
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
 
 from pipeline.config import defaults
 from pipeline.evaluation.generation import GenerationConfig, GenerationSettings
-from pipeline.evaluation.run import EvalJobConfig, EvalSettings, TaskInput, run_evaluation
+from pipeline.evaluation.run import (
+    EvalJobConfig,
+    EvalSettings,
+    TaskInput,
+    identity_summary,
+    run_evaluation,
+)
 from pipeline.evaluation.tasks import TASKS
 from stages.common import build, entry_point, plain, quiet_libraries, raise_if
 
@@ -101,11 +109,6 @@ def run_name(checkpoint: str) -> str:
 
 
 def print_result(record: dict, out_dir: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from pipeline.evaluation.run import identity_summary
-
     table = Table(title=f"eval-student: {record['label']}", title_justify="left")
     for col in ("task", "shots", "n", "correct", "accuracy", "no answer"):
         table.add_column(col, justify="left" if col == "task" else "right")

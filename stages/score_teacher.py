@@ -16,11 +16,21 @@ from pathlib import Path
 import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
 
-from pipeline.score_teacher.job import JobSummary, ScoreJobConfig, config_defaults, run_score_job, score_job_config
-from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
+from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
+from pipeline.embedded.tiny_teacher import TinyTeacherSpec
 from pipeline.model_source import check_teacher_source
+from pipeline.score_teacher.job import (
+    JobSummary,
+    ScoreJobConfig,
+    config_defaults,
+    run_score_job,
+    score_job_config,
+)
 from stages.common import ConfigError, entry_point, plain, quiet_libraries
+from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas.filesystem import join
 
 log = logging.getLogger("score_teacher")
@@ -33,8 +43,6 @@ def job_config(cfg: DictConfig) -> ScoreJobConfig:
 
 def build_embedded(cfg: DictConfig) -> None:
     """Build (or find cached) the sample corpus and tiny teacher when the config uses them."""
-    from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
-    from pipeline.embedded.tiny_teacher import TinyTeacherSpec
 
     artifacts = to_absolute_path(cfg.artifacts_dir)
     if cfg.data.get("embedded"):
@@ -49,9 +57,6 @@ def build_embedded(cfg: DictConfig) -> None:
 
 
 def print_summary(s: JobSummary) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="score-teacher", show_header=False, title_justify="left")
     status = "complete" if s.complete else f"partial: {s.shards_complete}/{s.shards_planned} shards"
     rows = [

@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
+from filelock import FileLock
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
 
-from pipeline.train_student.run import TrainJobConfig, TrainSummary, config_defaults, run_training, train_job_config
+from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
+from pipeline.train_student.run import (
+    TrainJobConfig,
+    TrainSummary,
+    config_defaults,
+    run_training,
+    train_job_config,
+)
 from stages.common import ConfigError, entry_point, plain, quiet_libraries
 from storage_schemas import write_json_atomic
 
@@ -34,9 +45,6 @@ def build_embedded(cfg: DictConfig) -> None:
     """Build (or find cached) the tiny student when the config uses it."""
     if not cfg.student.get("embedded"):
         return
-    from filelock import FileLock
-
-    from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
 
     b = cfg.student.build
     artifacts = to_absolute_path(cfg.artifacts_dir)
@@ -49,9 +57,6 @@ def build_embedded(cfg: DictConfig) -> None:
 
 
 def print_summary(s: TrainSummary) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     d, last = s.data, s.last_log
     skipped = d["shards_skipped"]
     rows = [
@@ -92,8 +97,6 @@ def main(cfg: DictConfig) -> None:
 
 
 def _is_main_process() -> bool:
-    import os
-
     return int(os.environ.get("RANK", "0")) == 0
 
 

@@ -10,6 +10,7 @@ a Ray actor on another node and opened there.
 from __future__ import annotations
 
 import fnmatch
+import glob as _glob
 import hashlib
 import os
 import posixpath
@@ -164,8 +165,6 @@ def glob(pattern: str) -> list[str]:
     """Locations matching a glob (``*``, ``?``, ``[...]`` in the last parts; ``**`` for any depth),
     sorted, with the pattern's scheme. A local pattern uses :mod:`glob`."""
     if not is_remote(pattern):
-        import glob as _glob
-
         return sorted(_glob.glob(pattern, recursive=True))
     kind = scheme(pattern)
     fs, path = resolve(pattern)

@@ -33,6 +33,7 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage_schemas import filesystem as sfs
@@ -41,9 +42,21 @@ from storage_schemas.identity import (
     iter_identity_differences,
     shard_identity_differences,
 )
-from storage_schemas.layout import MANIFEST_NAME, file_sha256, read_manifest, shard_file_problems
+from storage_schemas.layout import (
+    MANIFEST_NAME,
+    file_sha256,
+    read_manifest,
+    shard_file_problems,
+)
 from storage_schemas.rows import list_column_values
-from storage_schemas.schema import LIST_COLUMNS, META_IDENTITY, META_SHARD, ContractError, polars_schema, read_shard_metadata
+from storage_schemas.schema import (
+    LIST_COLUMNS,
+    META_IDENTITY,
+    META_SHARD,
+    ContractError,
+    polars_schema,
+    read_shard_metadata,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +210,7 @@ class ScoredDataset:
     def scan(self, with_file: bool = False):
         """Every shard as one ``polars.LazyFrame`` (only the columns a query names are read);
         ``with_file`` adds a ``file`` column (shard file name)."""
-        import polars as pl
+        import polars as pl  # the contract needs pyarrow only; Polars where a frame is asked for
 
         paths = [str(p) for p in self.shard_paths]
         if not paths:
@@ -214,7 +227,7 @@ class ScoredDataset:
         Shards are searched in order; Parquet statistics let the reader skip row groups that
         cannot hold the id. :class:`DocumentNotFoundError` if there is no such document.
         """
-        import polars as pl
+        import polars as pl  # the contract needs pyarrow only; Polars where a frame is asked for
 
         for path in self.shard_paths:
             frame = pl.scan_parquet(str(path)).with_row_index("row")
@@ -405,8 +418,6 @@ def read_row_group(shard: ShardInfo, group: int, columns: Sequence[str] | None =
         raise BadShardError(f"{shard.path}: row group {group} cannot be read ({type(exc).__name__}: {exc})") from exc
     present = [c for c in LIST_COLUMNS if c in table.column_names]
     if len(present) > 1:
-        import pyarrow.compute as pc
-
         lengths = [pc.list_value_length(table.column(c)) for c in present]
         for c, n in zip(present[1:], lengths[1:]):
             if not pc.all(pc.equal(n, lengths[0])).as_py():

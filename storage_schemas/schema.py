@@ -62,7 +62,7 @@ class ContractError(ValueError):
 
 def polars_schema():
     """:data:`ROW_SCHEMA` as a ``polars.Schema`` (for an empty frame of the right columns)."""
-    import polars as pl
+    import polars as pl  # the contract needs pyarrow only; Polars where a frame is asked for
 
     return pl.DataFrame(ROW_SCHEMA.empty_table()).schema
 

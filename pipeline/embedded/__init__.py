@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from pipeline.embedded.sample_corpus import build_sample_corpus, clean_texts
 from pipeline.embedded.tiny_teacher import TinyTeacherSpec, build_tiny_teacher
 
 N_FILES = 4
@@ -26,8 +29,6 @@ def tiny_teacher_dir(artifacts: str | Path, corpus_docs: int, seed: int = 0) -> 
 
 
 def ensure_sample_corpus(artifacts: str | Path, n_docs: int = 3000, seed: int = 0, n_files: int = N_FILES) -> list[Path]:
-    from pipeline.embedded.sample_corpus import build_sample_corpus
-
     return build_sample_corpus(sample_corpus_dir(artifacts, n_docs, seed), n_docs=n_docs, n_files=n_files, seed=seed)
 
 
@@ -39,9 +40,6 @@ def ensure_tiny_teacher(
     The last 5% of clean documents are held out; the build stamp reports the loss on them and on
     the noise documents, before and after training.
     """
-    import pyarrow.parquet as pq
-
-    from pipeline.embedded.sample_corpus import clean_texts
 
     files = ensure_sample_corpus(artifacts, corpus_docs, seed)
     texts = clean_texts(files)

@@ -30,11 +30,25 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from pipeline.embedded import ensure_sample_corpus
 from pipeline.embedded.model_shape import ModelShape
+from pipeline.embedded.sample_corpus import clean_texts
 from pipeline.embedded.tiny_teacher import build_folder
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
@@ -60,7 +74,6 @@ def tiny_student_dir(artifacts: str | os.PathLike, corpus_docs: int, seed: int =
 def alphabet(texts: Sequence[str], pre_tokenizer, limit: int) -> list[str]:
     """The ``limit`` most frequent characters of ``texts`` as the trainer counts them (in the
     pre-tokenizer's words, so spaces appear as ``▁``), most frequent first, ties by code point."""
-    from collections import Counter
 
     counts: Counter[str] = Counter()
     for text in texts:
@@ -71,7 +84,6 @@ def alphabet(texts: Sequence[str], pre_tokenizer, limit: int) -> list[str]:
 
 def train_student_tokenizer(texts: Sequence[str], vocab_size: int, limit_alphabet: int = 150):
     """A SentencePiece-style BPE ``PreTrainedTokenizerFast`` with byte fallback (module docstring)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     texts = list(texts)  # read twice: the alphabet, then the trainer
     n_learned = vocab_size - len(BYTE_PIECES)
@@ -104,7 +116,6 @@ def train_student_tokenizer(texts: Sequence[str], vocab_size: int, limit_alphabe
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, vocab[BOS])]
     )
-    from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=UNK, model_max_length=10**9
@@ -141,8 +152,6 @@ def build_tiny_student(texts: Sequence[str], out_dir: str | os.PathLike, spec: T
 def new_student_model(tokenizer, shape: ModelShape, seed: int):
     """A randomly initialised (``torch.manual_seed(seed)``) Llama of ``shape``'s sizes for ``tokenizer``,
     embeddings tied."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
@@ -161,8 +170,6 @@ def ensure_tiny_student(
     artifacts: str | os.PathLike, corpus_docs: int = 3000, seed: int = 0, spec: TinyStudentSpec = TinyStudentSpec()
 ) -> Path:
     """Build (or reuse) the tiny student from the clean documents of the sample corpus."""
-    from pipeline.embedded import ensure_sample_corpus
-    from pipeline.embedded.sample_corpus import clean_texts
 
     files = ensure_sample_corpus(artifacts, corpus_docs, seed)
     return build_tiny_student(clean_texts(files), tiny_student_dir(artifacts, corpus_docs, seed), spec)

@@ -26,6 +26,26 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
+
 from pipeline.embedded.model_shape import ModelShape
 
 log = logging.getLogger(__name__)
@@ -51,8 +71,6 @@ class TinyTeacherSpec(ModelShape):
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``texts``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -99,8 +117,6 @@ def build_folder(out_dir: str | os.PathLike, write) -> Path:
 
 
 def _mean_loss(model, blocks: list[list[int]]) -> float:
-    import torch
-
     if not blocks:
         return float("nan")
     model.eval()
@@ -116,8 +132,6 @@ def build_tiny_teacher(
     eval_texts: dict[str, Sequence[str]] | None = None,
 ) -> Path:
     """Train (or return the cached) tiny teacher in ``out_dir``; see the module docstring."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out_dir = Path(out_dir)
     stamp_path = out_dir / "_BUILD.json"
@@ -176,7 +190,6 @@ def fit_blocks(model, blocks: list[list[int]], work_dir: str | os.PathLike, *, s
                learning_rate: float, seed: int):
     """Train a causal LM on fixed-length token blocks with the HF Trainer on the CPU, deterministically
     (cosine schedule, 5% warmup, no checkpoints); returns the Trainer's ``TrainOutput``."""
-    from transformers import Trainer, TrainingArguments, default_data_collator
 
     dataset = [{"input_ids": b, "labels": b} for b in blocks]
     args = TrainingArguments(

@@ -13,9 +13,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
 from pipeline.config import ConfigError, MissingPathError
-from storage_schemas import write_json_atomic
-from storage_schemas import iter_identity_differences
+from storage_schemas import iter_identity_differences, write_json_atomic
 
 NOTE_KEYS = ("backend", "device", "dtype", "batch_size")
 
@@ -111,10 +113,8 @@ def _fmt_mean(c: Comparison, label: str) -> str:
 
 def bar_chart(c: Comparison, path: Path) -> None:
     """Grouped bars: one group per task, one bar per run."""
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     width = 0.8 / len(c.labels)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(c.tasks) * len(c.labels) ** 0.5 + 2), 4))

@@ -14,6 +14,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteriaList
+
 from pipeline.config import ConfigError, check_at_least, check_choice
 from pipeline.evaluation.tasks import cut_at_stop
 from pipeline.model_source import resolve_device
@@ -71,8 +74,6 @@ def make_generator(cfg: GenerationConfig) -> Generator:
 
 
 def _torch_dtype(name: str, device):
-    import torch
-
     if name == "auto":
         on_gpu = device.type == "cuda"
         return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
@@ -84,9 +85,6 @@ def _torch_dtype(name: str, device):
 
 class HFGenerator:
     def __init__(self, cfg: GenerationConfig):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         if self.device.type == "cpu" and cfg.cpu_threads:
@@ -129,9 +127,6 @@ class HFGenerator:
         return ids
 
     def _generate_batch(self, batch: list[list[int]], stop: tuple[str, ...]) -> list[str]:
-        import torch
-        from transformers import StoppingCriteriaList
-
         enc = self.tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt").to(self.device)
         prompt_len = enc["input_ids"].shape[1]
         criterion = StopOnSequences(self.tokenizer, stop, prompt_len)
@@ -151,8 +146,6 @@ class StopOnSequences:
         self.tokenizer, self.stop, self.prompt_len = tokenizer, stop, prompt_len
 
     def __call__(self, input_ids, scores, **kwargs):
-        import torch
-
         texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
         return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
 
@@ -163,7 +156,7 @@ class VLLMGenerator:
 
     def __init__(self, cfg: GenerationConfig):
         try:
-            from vllm import LLM
+            from vllm import LLM  # optional and heavy: only where this backend runs
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ConfigError("backend=vllm needs vLLM: pip install 'vocagno[vllm]' in its own environment "
                                "(it pins its own torch and transformers)") from exc
@@ -176,7 +169,7 @@ class VLLMGenerator:
         return {"backend": "vllm", "device": "cuda", "dtype": self.cfg.dtype}
 
     def generate(self, prompts: Sequence[str], stop: Sequence[str]) -> list[str]:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional and heavy: only where this backend runs
 
         params = SamplingParams(temperature=0.0, max_tokens=self.cfg.max_new_tokens, stop=list(stop), seed=self.cfg.seed)
         outputs = self.llm.generate(list(prompts), params, use_tqdm=False)

@@ -19,8 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ConfigError, MissingPathError, check_at_least, check_choice
-from pipeline.evaluation.generation import GenerationConfig, GenerationSettings, Generator, make_generator
-from pipeline.provenance import WEIGHT_SUFFIXES, code_version, digest_files
+from pipeline.evaluation.generation import (
+    GenerationConfig,
+    GenerationSettings,
+    Generator,
+    make_generator,
+)
 from pipeline.evaluation.tasks import (
     TASKS,
     Exemplar,
@@ -34,6 +38,7 @@ from pipeline.evaluation.tasks import (
     score,
     sha256_text,
 )
+from pipeline.provenance import WEIGHT_SUFFIXES, code_version, digest_files
 from storage_schemas import file_sha256, write_json_atomic
 
 log = logging.getLogger(__name__)

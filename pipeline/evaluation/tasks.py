@@ -14,11 +14,15 @@ same form; their ``answer`` (or an explicit ``target``) becomes the worked answe
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
+
+import yaml
 
 from pipeline.config import ConfigError, MissingPathError, UserError
 from pipeline.evaluation import answers as A
@@ -218,7 +222,6 @@ def lm_eval_exemplars(which: str) -> list[Exemplar]:
 
 def lm_eval_task_file(*parts: str) -> Path:
     """A file of lm-evaluation-harness's task definitions, found without importing the package."""
-    from importlib.util import find_spec
 
     spec = find_spec("lm_eval")
     if spec is None or not spec.submodule_search_locations:
@@ -231,8 +234,6 @@ def lm_eval_task_file(*parts: str) -> Path:
 
 
 def _gsm8k_cot() -> list[Exemplar]:
-    import yaml
-
     config = yaml.safe_load(lm_eval_task_file("gsm8k", "gsm8k-cot.yaml").read_text(encoding="utf-8"))
     return [Exemplar(question=s["question"], target=s["target"]) for s in config["fewshot_config"]["samples"]]
 
@@ -241,7 +242,6 @@ def _minerva_math() -> list[Exemplar]:
     """Read from the source of ``lm_eval/tasks/minerva_math/utils.py`` (the literal list that
     ``list_fewshot_samples`` returns) rather than importing it: importing needs ``lm_eval[math]``,
     whose antlr4 4.11 breaks Hydra's (4.9)."""
-    import ast
 
     source = lm_eval_task_file("minerva_math", "utils.py").read_text(encoding="utf-8")
     for node in ast.walk(ast.parse(source)):

@@ -37,11 +37,19 @@ from typing import Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tqdm.auto import tqdm
 
-from pipeline.alignment import align_document, align_spans, alignment_quality, chunk_align, chunk_ids, overlap_pairs
+from pipeline.alignment import (
+    align_document,
+    align_spans,
+    alignment_quality,
+    chunk_align,
+    chunk_ids,
+    overlap_pairs,
+)
+from pipeline.tokenization import Encoding, encode_batch, fingerprint
 from storage_schemas.reader import DocumentRecord, ScoredDataset
 from storage_schemas.rows import list_array
-from pipeline.tokenization import Encoding, encode_batch, fingerprint
 
 DEFAULT_CHUNK_COUNTS = (1, 4, 16, 64, 256)
 FANOUT_BUCKETS = 8  # counts 0..7, then "8 or more"
@@ -308,8 +316,6 @@ def align_report(
         total = min(limit_docs, total) if total is not None else limit_docs
     items = iter_aligned(dataset, tokenizer, how, report.chunk_counts, limit_docs)
     if progress:
-        from tqdm.auto import tqdm
-
         items = tqdm(items, total=total, unit="doc", desc="aligning", dynamic_ncols=True)
     try:
         for record, doc in items:

@@ -45,10 +45,20 @@ from rich.markup import escape
 
 from pipeline.alignment import AGGREGATIONS
 from pipeline.config import build, check_at_least, check_choice, raise_if
-from pipeline.inspection.summary import DEFAULT_QUANTILES
+from pipeline.dataset_card import write_card
+from pipeline.inspection import plots, terminal
+from pipeline.inspection.align_report import align_record, align_report
+from pipeline.inspection.html import StudentView, document_section, page
+from pipeline.inspection.pieces import LossScale
+from pipeline.inspection.summary import DEFAULT_QUANTILES, summarize
+from pipeline.inspection.two_teachers import renderables, two_teachers
+from pipeline.inspection.validate import validate_dataset
+from pipeline.inspection.vocab_overlap import load_vocabulary, vocab_overlap
 from pipeline.loss_histogram import DEFAULT_BIN_WIDTH
+from pipeline.tokenization import encode, load_tokenizer
+from storage_schemas import ContractError, filesystem, read_manifest, strict_json
 from storage_schemas import filesystem as sfs
-from storage_schemas import strict_json
+from storage_schemas.reader import ScoredDataset, teacher_tokenizer_location
 
 Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute (the stage passes Hydra's)
 
@@ -234,33 +244,23 @@ class Context:
     @property
     def dataset(self):
         if self._dataset is None:
-            from storage_schemas.reader import ScoredDataset
-
             self._dataset = ScoredDataset.open(self.path)
         return self._dataset
 
     def summary(self):
         if self._summary is None:
-            from pipeline.inspection.summary import summarize
-
             s = self.cfg.summary
             self._summary = summarize(self.dataset, top_k=s.top_k, min_tokens=s.min_tokens,
                                       quantiles=tuple(s.quantiles), bin_width=s.bin_width)
         return self._summary
 
     def loss_scale(self):
-        from pipeline.inspection.pieces import LossScale
-
         return LossScale.from_quantile_function(self.summary().histogram.quantile)
 
     def student_tokenizer(self):
-        from pipeline.tokenization import load_tokenizer
-
         return load_tokenizer(_local(self.cfg.student, self.resolve))
 
     def align_report(self, tokenizer, write: bool):
-        from pipeline.inspection.align_report import align_report
-
         a = self.cfg.align
         slug = tokenizer_slug(self.cfg.student)
         return align_report(
@@ -276,8 +276,6 @@ class Context:
 
 
 def cmd_summary(ctx: Context) -> int:
-    from pipeline.inspection import terminal
-
     summary = ctx.summary()
     for item in terminal.summary_renderables(summary):
         ctx.console.print(item)
@@ -294,8 +292,6 @@ def cmd_summary(ctx: Context) -> int:
 
 
 def _special_ids(ctx: Context, manifest: dict) -> list[int]:
-    from storage_schemas.reader import teacher_tokenizer_location
-
     setting = ctx.cfg.validate.special_ids
     if setting != "auto":
         return [int(i) for i in setting]
@@ -305,16 +301,11 @@ def _special_ids(ctx: Context, manifest: dict) -> list[int]:
     if not source or not Path(source).exists():
         ctx.console.print("[dim]validate: the teacher tokenizer is not local; every empty text slice counts as an error[/dim]")
         return []
-    from pipeline.tokenization import load_tokenizer
 
     return list(load_tokenizer(source).all_special_ids)
 
 
 def cmd_validate(ctx: Context) -> int:
-    from pipeline.inspection import terminal
-    from pipeline.inspection.validate import validate_dataset
-    from storage_schemas import ContractError, read_manifest
-
     try:
         manifest = read_manifest(ctx.path)
     except ContractError:
@@ -327,9 +318,6 @@ def cmd_validate(ctx: Context) -> int:
 
 
 def cmd_vocab_overlap(ctx: Context) -> int:
-    from pipeline.inspection import terminal
-    from pipeline.inspection.vocab_overlap import load_vocabulary, vocab_overlap
-
     teacher = _local(ctx.cfg.teacher, ctx.resolve) or ctx.dataset.teacher_tokenizer
     student = _local(ctx.cfg.student, ctx.resolve)
     overlap = vocab_overlap(load_vocabulary(teacher), load_vocabulary(student))
@@ -342,8 +330,6 @@ def cmd_vocab_overlap(ctx: Context) -> int:
 
 
 def cmd_align_report(ctx: Context) -> int:
-    from pipeline.inspection import terminal
-
     report = ctx.align_report(ctx.student_tokenizer(), write=bool(ctx.cfg.align.write_aligned))
     for item in terminal.align_renderables(report):
         ctx.console.print(item)
@@ -369,10 +355,6 @@ def _html_documents(ctx: Context) -> list[tuple[str, object]]:
 
 
 def cmd_html(ctx: Context) -> int:
-    from pipeline.inspection.align_report import align_record
-    from pipeline.inspection.html import StudentView, document_section, page
-    from pipeline.tokenization import encode
-
     documents = _html_documents(ctx)  # first: an unknown doc id fails before the dataset-wide pass
     scale = ctx.loss_scale()
     tokenizer = ctx.student_tokenizer() if ctx.cfg.student else None
@@ -398,8 +380,6 @@ def cmd_html(ctx: Context) -> int:
 
 
 def cmd_plots(ctx: Context) -> int:
-    from pipeline.inspection import plots
-
     folder = ctx.out_dir / "plots"
     written = [plots.loss_histogram(ctx.summary(), folder / "loss_histogram.png")]
     if ctx.cfg.student:
@@ -414,18 +394,12 @@ def cmd_plots(ctx: Context) -> int:
 
 
 def cmd_card(ctx: Context) -> int:
-    from pipeline.dataset_card import write_card
-    from storage_schemas import filesystem
-
     folder = ctx.cfg.path if filesystem.is_remote(ctx.cfg.path) else ctx.path
     ctx.console.print(f"wrote {write_card(folder)}", markup=False)
     return 0
 
 
 def cmd_two_teachers(ctx: Context) -> int:
-    from pipeline.inspection.two_teachers import renderables, two_teachers
-    from storage_schemas.reader import ScoredDataset
-
     other = ScoredDataset.open(_dataset_location(ctx.cfg.other, ctx.resolve))
     report = two_teachers(ctx.dataset, other, ctx.student_tokenizer(), student=ctx.cfg.student, how=ctx.cfg.align.how,
                           ratio=float(ctx.cfg.two_teachers.ratio), limit_docs=ctx.cfg.align.limit_docs)

@@ -20,9 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
-from storage_schemas.reader import DocumentRecord
 from pipeline.inspection.pieces import PALETTE, LossScale, cut_pieces
 from pipeline.tokenization import Encoding
+from storage_schemas.reader import DocumentRecord
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #111; }

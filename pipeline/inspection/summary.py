@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from pipeline.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram, loss_histogram_query, merge_bins
+from pipeline.loss_histogram import (
+    DEFAULT_BIN_WIDTH,
+    LossHistogram,
+    loss_histogram_query,
+    merge_bins,
+)
 from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset

@@ -9,11 +9,11 @@ from rich.table import Table
 from rich.text import Text
 
 from pipeline.inspection.align_report import AlignReport
-from storage_schemas.reader import DocumentRecord
 from pipeline.inspection.pieces import LossScale, cut_pieces
 from pipeline.inspection.summary import DatasetSummary
 from pipeline.inspection.validate import ValidationReport
 from pipeline.inspection.vocab_overlap import VocabOverlap
+from storage_schemas.reader import DocumentRecord
 
 
 def _pct(x: float) -> str:

@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from rich.table import Table
 
 from pipeline.alignment import align_documents
 from pipeline.tokenization import encode_batch
@@ -126,7 +127,6 @@ def two_teachers(first: ScoredDataset, second: ScoredDataset, tokenizer, *, stud
 
 def renderables(report: TwoTeacherReport) -> list:
     """Rich tables for the terminal."""
-    from rich.table import Table
 
     docs = Table(title=f"two teachers through {report.student}: {report.first} vs {report.second}")
     docs.add_column("documents")

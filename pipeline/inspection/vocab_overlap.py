@@ -29,6 +29,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from pipeline.tokenization import load_tokenizer
+
 BYTE_LEVEL = "byte_level"
 SENTENCEPIECE = "sentencepiece"
 PLAIN = "plain"
@@ -126,7 +128,6 @@ def vocabulary_from_tokenizer(tokenizer, source: str) -> Vocabulary:
 
 def load_vocabulary(source: str) -> Vocabulary:
     """A hub id, a tokenizer folder, a ``.gguf`` vocabulary or a SentencePiece ``.model`` file."""
-    from pipeline.tokenization import load_tokenizer
 
     return vocabulary_from_tokenizer(load_tokenizer(source), source)
 

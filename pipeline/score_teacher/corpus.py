@@ -38,8 +38,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+from huggingface_hub import HfApi, HfFileSystem
 
 from pipeline.config import UserError, check_at_least, check_choice
+from pipeline.provenance import digest_cache_dir, file_sha256_cached
 from storage_schemas import filesystem, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -144,8 +146,6 @@ def open_location(location: str) -> tuple[pafs.FileSystem, str]:
 
 @lru_cache(maxsize=1)
 def _hf_filesystem() -> pafs.FileSystem:
-    from huggingface_hub import HfFileSystem
-
     return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem()))
 
 
@@ -296,8 +296,6 @@ def hub_listing(hub_id: str, revision: str | None, api=None) -> tuple[str, list[
     """The commit ``revision`` (default: main) points at, and the repository's files there, each
     with the sha256 the hub records for its content (LFS/Xet files; None for small git files)."""
     if api is None:
-        from huggingface_hub import HfApi
-
         api = HfApi()
     try:
         commit = api.dataset_info(hub_id, revision=revision).sha
@@ -409,7 +407,6 @@ def source_digests(sources: list[SourceFile]) -> list[str]:
             return src.sha256
         if _is_remote(src.path):
             return remote_sha256_cached(src.path)
-        from pipeline.provenance import file_sha256_cached
 
         return file_sha256_cached(src.path)
 
@@ -424,7 +421,6 @@ def remote_sha256_cached(location: str) -> str:
     version tag: the ETag (S3; any overwrite gives a new one) or the modification time where the
     store gives no ETag; an ``hf://`` location is pinned to a commit, so its URI and size suffice.
     An object with no such tag is hashed on every call."""
-    from pipeline.provenance import digest_cache_dir
 
     fs, path = open_location(location)
     try:

@@ -16,6 +16,8 @@ import errno
 import json
 import os
 
+import torch
+
 FAULTS_ENV = "VOCAGNO_INJECT_FAULTS"
 KINDS = ("oom", "read", "die", "bug")
 
@@ -36,8 +38,6 @@ def inject_fault(index: int) -> None:
         return
     message = f"injected fault ({fault['error']}) at shard {index}, try {tried} of {fault['times']} failing"
     if fault["error"] == "oom":
-        import torch
-
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: {message}")
     if fault["error"] == "read":
         raise OSError(errno.EIO, f"Input/output error: {message}")

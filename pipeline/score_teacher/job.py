@@ -16,12 +16,26 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
+import ray
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+import pipeline
 from pipeline.config import ConfigError, MissingPathError, build, defaults, raise_if
+from pipeline.dataset_card import write_card_or_warn
+from pipeline.folder_lock import exclusive_writer
+from pipeline.model_source import looks_local
+from pipeline.provenance import code_version, is_local_model, model_identity
+from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.backends.factory import make_scorer
+from pipeline.score_teacher.backends.vllm import engine_args, engine_window
 from pipeline.score_teacher.corpus import (
     CorpusConfig,
     CorpusError,
@@ -34,23 +48,20 @@ from pipeline.score_teacher.corpus import (
     read_shard,
     resolve_sources,
 )
-from pipeline.provenance import code_version, is_local_model, model_identity
-from pipeline.score_teacher.backends.base import ScorerConfig
-from pipeline.dataset_card import write_card_or_warn
 from pipeline.score_teacher.faults import FAULTS_ENV, inject_fault
 from pipeline.score_teacher.pool import (
     PoolConfig,
     PoolRun,
     RayConfig,
     ShardFailedError,
+    actor_env,
     alive_nodes,
     check_nodes_see,
     init_ray,
     num_actors,
     run_shards,
-    actor_env,
 )
-from pipeline.folder_lock import exclusive_writer
+from pipeline.score_teacher.teacher import WindowSettings, score_documents
 from pipeline.score_teacher.writer import (
     DatasetMismatchError,
     StorageConfig,
@@ -61,11 +72,8 @@ from pipeline.score_teacher.writer import (
     write_manifest,
     write_shard,
 )
-from pipeline.score_teacher.teacher import WindowSettings, score_documents
-from storage_schemas import SKIP_REASONS
-from pipeline.model_source import looks_local
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
-from storage_schemas import IDENTITY_FORMAT
+from storage_schemas import IDENTITY_FORMAT, SKIP_REASONS
 from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
@@ -82,7 +90,7 @@ class TeacherConfig:
     window: int | None = None  # None: the model's max_position_embeddings
     stride: int | None = None  # None: window // 2
     trust_remote_code: bool = False
-    allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); see README
+    allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); docs/running-at-scale.md
 
 
 @dataclass(frozen=True)
@@ -246,8 +254,6 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
                              "trust_remote_code": cfg.teacher.trust_remote_code, "window": window,
                              "allow_bin": cfg.teacher.allow_bin})
     if scorer.backend == "vllm":
-        from pipeline.score_teacher.backends.vllm import engine_args
-
         engine_args(scorer)  # refuse settings the engine would refuse, before Ray starts
     identity = {
         "format": IDENTITY_FORMAT,
@@ -286,7 +292,6 @@ def _check_local_paths(teacher: TeacherConfig) -> None:
 def _vllm_window(window: int, teacher: TeacherConfig) -> int:
     """The window the vLLM engine can take: one token shorter where the teacher's positions leave
     no room for the output token vLLM insists on (:func:`pipeline.score_teacher.backends.vllm.engine_window`)."""
-    from pipeline.score_teacher.backends.vllm import engine_window
 
     shorter = engine_window(window, _context_length(teacher))
     if shorter != window:
@@ -296,8 +301,6 @@ def _vllm_window(window: int, teacher: TeacherConfig) -> int:
 
 
 def _context_length(teacher: TeacherConfig) -> int:
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if getattr(config, key, None):
@@ -314,10 +317,6 @@ class ShardScorer:
     each shard's marker which node scored it and on which try."""
 
     def __init__(self, prepared: Prepared, teacher: TeacherConfig, cfg: ScoreJobConfig, version: str):
-        import torch  # the actor's own imports: the driver never loads a model
-
-        from pipeline.score_teacher.backends.factory import make_scorer
-
         if cfg.pool.num_gpus == 0:
             torch.set_num_threads(max(1, int(cfg.pool.num_cpus)))
         self.prepared = prepared
@@ -349,16 +348,11 @@ class ShardScorer:
     def describe(self) -> dict:
         """Where this actor runs, and where its code was imported from (a copy shipped by Ray's
         runtime environment, or the installed package)."""
-        import pipeline
-
         return {**self.node, "pid": os.getpid(), "code": os.path.dirname(os.path.abspath(pipeline.__file__))}
 
 
 def _this_node() -> dict:
     """The Ray node this process runs on: its id, IP address and host name."""
-    import socket
-
-    import ray
 
     if not ray.is_initialized():
         return {"node_id": None, "node_ip": None, "hostname": socket.gethostname()}
@@ -369,8 +363,6 @@ def _this_node() -> dict:
 def _release_cuda_memory(exc: BaseException) -> None:
     """After CUDA ran out of memory, give the cached blocks back so that the next try starts clean."""
     if type(exc).__name__ == "OutOfMemoryError":
-        import torch
-
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -455,8 +447,6 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
     """Score the pending shards on a pool of :class:`ShardScorer` actors (:mod:`pipeline.score_teacher.pool`):
     sized to the cluster's nodes, with the code shipped to them, after checking that every node sees
     the job's local paths; the manifest is rewritten from time to time as shards finish."""
-    import ray
-    from tqdm.auto import tqdm
 
     cfg, prepared, pending = _absolute_for_actors(cfg, prepared, pending)
     started_ray = init_ray(cfg.ray)

@@ -21,6 +21,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
+import ray
+import ray.exceptions as rx
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import pipeline
+import storage_schemas
 from pipeline.config import ConfigError, check_at_least, check_choice, refuse
 from pipeline.score_teacher.faults import FAULTS_ENV
 
@@ -100,7 +106,6 @@ def init_ray(rc: RayConfig) -> bool:
     this call started it (so the job shuts it down). A caller that starts Ray itself should pass
     such a runtime environment to its own ``ray.init`` for the code to reach other nodes: Ray
     uploads local code only for a whole job, never for one actor."""
-    import ray
 
     if ray.is_initialized():
         return False
@@ -123,8 +128,6 @@ def shipped_code(rc: RayConfig) -> Iterator[dict | None]:
     on the workers' import path, where another node could hold other code under the same path.
     Third-party packages (torch, transformers ...) must be installed on every node; data and models
     never travel this way."""
-    import pipeline
-    import storage_schemas
 
     env: dict = dict(actor_env(rc) or {})
     if not rc.ship_code:
@@ -157,8 +160,6 @@ def actor_env(rc: RayConfig) -> dict | None:
 
 
 def alive_nodes() -> list[dict]:
-    import ray
-
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
@@ -250,8 +251,6 @@ def check_nodes_see(nodes: Sequence[dict], local_paths: Iterable[str], output_di
     with the driver's sizes and that the output folder (when local) is the driver's own folder (a
     probe file written by the driver is read back). Raises :class:`ConfigError` listing each node's
     problems and what to do instead."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     files = local_files_to_check(local_paths)
     probe_path, probe = None, None
@@ -295,7 +294,6 @@ def is_transient(exc: BaseException) -> bool:
     """Whether another try of the shard may succeed: its actor, worker or node died (Ray's own retries
     are spent), Ray's memory monitor killed it, CUDA ran out of memory, or a read failed (an
     ``OSError`` other than a full, read-only or missing disk or path)."""
-    import ray.exceptions as rx
 
     if isinstance(exc, (rx.RayActorError, rx.ActorUnavailableError, rx.WorkerCrashedError, rx.NodeDiedError,
                         rx.ObjectLostError, rx.OutOfMemoryError, rx.LocalRayletDiedError)):
@@ -313,8 +311,6 @@ def first_line(exc: BaseException) -> str:
 
 
 def _described(refs: list) -> list[dict]:
-    import ray
-
     found = []
     for ref in refs:
         try:
@@ -346,7 +342,6 @@ def run_shards(make_actor: Callable[[], object], n_actors: int, specs: Sequence,
     per actor at a time, with :class:`PoolConfig`'s fault policy. ``on_scored``/``on_failed`` are called
     on the driver as each shard finishes or is given up. The actors are killed on return or error;
     where the first ones ran (their ``describe()``) is in the result's ``actors``."""
-    import ray
 
     actors = [make_actor() for _ in range(n_actors)]
     described = [actor.describe.remote() for actor in actors]

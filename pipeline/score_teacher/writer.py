@@ -33,7 +33,6 @@ import pyarrow.parquet as pq
 from pipeline.config import UserError, check_choice, refuse
 from pipeline.folder_lock import LOCK_NAME
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
-from storage_schemas.rows import list_array
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,
@@ -41,15 +40,16 @@ from storage_schemas import (
     SCHEMA_VERSION,
     SHARD_RE,
     file_sha256,
+    iter_identity_differences,
     marker_of,
     schema_with_metadata,
-    iter_identity_differences,
     shard_index,
     shard_name,
     write_json_atomic,
 )
 from storage_schemas import filesystem as sfs
 from storage_schemas.layout import MARKER_SUFFIX
+from storage_schemas.rows import list_array
 
 
 class DatasetMismatchError(UserError, RuntimeError):

@@ -23,9 +23,8 @@ import shutil
 from pathlib import Path
 
 from pipeline.config import MissingPathError, UserError
-from storage_schemas import write_json_atomic
+from storage_schemas import iter_identity_differences, write_json_atomic
 from storage_schemas.reader import data_identity_differences
-from storage_schemas import iter_identity_differences
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,9 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
+import pickle
 import uuid
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
@@ -63,11 +65,29 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from pipeline.alignment import (
+    AGGREGATIONS,
+    DocumentAlignment,
+    align_document,
+    align_documents,
+)
 from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
-from pipeline.alignment import AGGREGATIONS, DocumentAlignment, align_document, align_documents
-from pipeline.train_student.several_teachers import COMBINATIONS, TeacherMatch, combine_losses, file_name
-from storage_schemas.reader import BadShardError, ScoredDataset, ShardInfo, ShardReader, read_row_group
 from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
+from pipeline.train_student.several_teachers import (
+    COMBINATIONS,
+    TeacherMatch,
+    combine_losses,
+    file_name,
+    match_teachers,
+    teacher_names,
+)
+from storage_schemas.reader import (
+    BadShardError,
+    ScoredDataset,
+    ShardInfo,
+    ShardReader,
+    read_row_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +203,6 @@ def _shard_lengths(dataset: ScoredDataset, tokenizer, cache_dir, num_proc: int, 
         log.info("counting student tokens of %d shard(s) (cached for later runs)", len(todo))
         jobs = [(dataset.shards[i], tokenizer, full) for i in todo]
         if num_proc > 1 and len(todo) > 1:
-            import multiprocessing
-
             with ProcessPoolExecutor(min(num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
                 computed = list(pool.map(_count_shard, jobs))
         else:
@@ -200,7 +218,6 @@ def _on_rank_zero(compute):
     """``compute()`` on the global rank 0 only, its result (or its exception) handed to every rank
     of the process group; just ``compute()`` outside a distributed run. The other ranks wait in
     the broadcast, as long as the process group's timeout (``train.ddp_timeout``)."""
-    import pickle
 
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -718,7 +735,6 @@ def _build_several(datasets: list[ScoredDataset], tokenizer, packing: PackingCon
                    cache_dir, num_proc: int, on_bad_shard: str, missing_documents: str) -> StudentData:
     """:func:`build_student_data` for several teachers: match, then measure and plan the stream
     (rows of a later teacher's shard that an earlier teacher holds are left out)."""
-    from pipeline.train_student.several_teachers import match_teachers, teacher_names
 
     if alignment.combine == "weighted" and len(alignment.teacher_weights) != len(datasets):
         raise ConfigError(f"loss.teacher_weights has {len(alignment.teacher_weights)} weight(s) for {len(datasets)} "

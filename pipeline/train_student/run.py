@@ -26,25 +26,53 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-
 from typing import Mapping
 
-from pipeline.config import ConfigError, build, check_at_least, check_choice, defaults, raise_if
-from pipeline.provenance import model_identity
-from pipeline.model_source import looks_local
+import torch
+from transformers import AutoModelForCausalLM, TrainingArguments
+
+from pipeline.config import (
+    ConfigError,
+    build,
+    check_at_least,
+    check_choice,
+    defaults,
+    raise_if,
+)
 from pipeline.folder_lock import exclusive_writer
+from pipeline.model_source import looks_local
+from pipeline.provenance import model_identity
 from pipeline.tokenization import fingerprint, load_tokenizer
 from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchError: the run's refusal)
+    METRICS_NAME,
     RunMismatchError,
     checkpoint_step,
     prepare_run_folder,
+    read_guard_state,
     resolve_checkpoint,
     save_final,
     trainer_state,
 )
-from pipeline.train_student.data import AlignmentConfig, PackingConfig, StudentData, build_student_data
+from pipeline.train_student.data import (
+    AlignmentConfig,
+    PackingConfig,
+    StudentData,
+    build_student_data,
+    collate_packed,
+)
 from pipeline.train_student.guided_loss import SelectionConfig
-from pipeline.train_student.several_teachers import MISSING_RULES, open_teachers
+from pipeline.train_student.several_teachers import (
+    MISSING_RULES,
+    TeacherMetrics,
+    open_teachers,
+)
+from pipeline.train_student.trainer import (
+    CheckpointRecordCallback,
+    GuidedTrainer,
+    JsonlMetricsCallback,
+    NonFiniteGuard,
+    NonFiniteLossError,
+)
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
@@ -362,8 +390,6 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     raises :class:`NonFiniteLossError` (after its checkpoint is saved). Returns the trainer and the
     step it started from.
     """
-    from pipeline.train_student.checkpoints import read_guard_state
-    from pipeline.train_student.trainer import NonFiniteGuard, NonFiniteLossError
 
     start_step = checkpoint_step(checkpoint)
     finished = start_step >= args.max_steps
@@ -494,8 +520,6 @@ def _number_of_steps(job: TrainJobConfig, data: StudentData, world_size: int, ac
 
 def load_student(student: StudentConfig, vocab_size: int):
     """The student model (float32 master weights; mixed precision comes from the Trainer)."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     kwargs = {"revision": student.revision, "trust_remote_code": student.trust_remote_code, "dtype": torch.float32,
               "use_safetensors": True}  # never unpickle downloaded weights
@@ -517,7 +541,6 @@ def _cpu_threads(n: int | None):
     """``torch.set_num_threads(n)`` for the duration (None: leave it). On a shared CPU, intra-op
     threads beyond the idle cores make every step many times slower (OpenMP threads wait on each
     other); 1 is often the fastest there."""
-    import torch
 
     before = torch.get_num_threads()
     if n:
@@ -529,8 +552,6 @@ def _cpu_threads(n: int | None):
 
 
 def _precision(train: TrainConfig) -> dict:
-    import torch
-
     precision = train.precision
     if precision == "auto":
         gpu = torch.cuda.is_available() and not train.use_cpu
@@ -542,7 +563,6 @@ def final_dtype(train: TrainConfig):
     """The dtype of the saved final model: ``train.save_dtype``, or for ``auto`` the precision the
     model was trained in (bf16 or fp16 mixed precision, else float32). Checkpoints for resuming
     keep the float32 master weights."""
-    import torch
 
     if train.save_dtype != "auto":
         return getattr(torch, train.save_dtype)
@@ -551,8 +571,6 @@ def final_dtype(train: TrainConfig):
 
 
 def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
-    from transformers import TrainingArguments
-
     t = job.train
     return TrainingArguments(
         output_dir=job.output_dir,
@@ -593,10 +611,6 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
 
 
 def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks):
-    from pipeline.train_student.checkpoints import METRICS_NAME
-    from pipeline.train_student.trainer import CheckpointRecordCallback, GuidedTrainer, JsonlMetricsCallback
-    from pipeline.train_student.data import collate_packed
-
     return GuidedTrainer(
         model=model,
         args=args,
@@ -614,7 +628,6 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
 
 def _teacher_metrics(job: TrainJobConfig, data: StudentData):
     """Per-teacher metrics of a several-teacher run (None with one teacher)."""
-    from pipeline.train_student.several_teachers import TeacherMetrics
 
     sources = data.dataset.teachers
     return None if sources is None else TeacherMetrics(sources.names, sources.combine, sources.weights, job.selection)

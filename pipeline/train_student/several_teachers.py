@@ -28,8 +28,12 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
 
 from pipeline.config import ConfigError
+from pipeline.train_student.guided_loss import select_tokens
 from storage_schemas.reader import (
     BadShardError,
     ContractError,
@@ -105,7 +109,6 @@ class _Keys:
 def _read_keys(dataset: ScoredDataset, on_bad_shard: str) -> _Keys:
     """Every row group of every shard read whole (decoding every column validates the file, as the
     token count pass does), keeping ids and text digests."""
-    import pyarrow as pa
 
     ids, digests, shard_of, row_of, kept, bad = [], [], [], [], [], []
     for shard in dataset.shards:
@@ -175,8 +178,6 @@ def match_teachers(datasets: Sequence[ScoredDataset], missing: str = "refuse",
                    on_bad_shard: str = "error") -> TeacherMatch:
     """Match the teachers' documents by ``doc_id`` and text (module docstring); raises
     :class:`TeacherMismatchError` naming the documents, or :class:`BadShardError`."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
 
     if missing not in MISSING_RULES:
         raise ConfigError(f"missing must be one of {MISSING_RULES}, got {missing!r}")
@@ -292,7 +293,6 @@ def decision_credit(losses, combined, how: str, weights: Sequence[float] | None 
     for ``min``/``max`` the teachers whose loss is the combined value (split evenly on a tie), for
     ``mean``/``weighted`` the teachers that map the token in proportion to their weight (evenly
     for ``mean``). Rows sum to 1 where any teacher maps the token, else to 0."""
-    import torch
 
     mapped = ~torch.isnan(losses)  # (..., T)
     if how in ("min", "max"):
@@ -333,9 +333,6 @@ class TeacherMetrics:
     def sums(self, token_loss, valid, selected, teacher_losses, combined):
         """(K,) float64 sums for one micro-batch: n_selected, n_valid, then per teacher credit and
         mapped count, then per pair intersection and union. ``teacher_losses`` is (B, L, T)."""
-        import torch
-
-        from pipeline.train_student.guided_loss import select_tokens
 
         credit = decision_credit(teacher_losses.float(), combined.float(), self.combine, self.weights)  # (B, L, T)
         decided = (credit * selected.unsqueeze(-1)).sum(dim=(0, 1))  # (T,)

@@ -101,22 +101,23 @@ def test_iter_documents_streams_every_row_in_order(micro_scored, eager):
 
 
 def readme_polars_commands() -> list[str]:
-    """The ``python -c "..."`` lines of the README's "Read the shards with Polars" block, as written."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Read the shards with Polars", 1)[1]
+    """The ``.venv/bin/python -c "..."`` lines of docs/storage-schema.md's "With Polars directly"
+    block, as written."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "storage-schema.md").read_text()
+    section = page.split("With Polars directly", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
-    commands = [line for line in block.splitlines() if line.startswith("python -c ")]
+    commands = [line for line in block.splitlines() if line.startswith(".venv/bin/python -c ")]
     assert block.splitlines()[0].startswith("D=") and len(commands) == 3, block
     return commands
 
 
 @pytest.mark.parametrize("index", range(3))
 def test_readme_polars_one_liners_run(micro_scored, index):
-    """Each one-liner, read from the README, run as a user would (``$D`` the dataset folder) on
+    """Each one-liner, read from the docs, run as a user would (``$D`` the dataset folder) on
     real stage-1 output; its printed table checked against the manifest."""
     command = readme_polars_commands()[index].replace("$D", str(micro_scored))
     argv = shlex.split(command)
-    assert argv[:2] == ["python", "-c"] and len(argv) == 3
+    assert argv[:2] == [".venv/bin/python", "-c"] and len(argv) == 3
     env = {**os.environ, "POLARS_TABLE_WIDTH": "250", "POLARS_FMT_MAX_ROWS": "-1"}  # every row, one line each
     run = subprocess.run([sys.executable, "-c", argv[2]], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr

@@ -15,7 +15,6 @@ import numpy as np
 
 from pipeline.config import check_choice
 
-
 BACKENDS = ("transformers", "vllm")
 
 

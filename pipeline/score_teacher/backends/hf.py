@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from pipeline.model_source import resolve_device
 from pipeline.score_teacher.backends.base import ScorerConfig
@@ -34,7 +35,6 @@ def load_causal_lm(cfg: ScorerConfig, device: torch.device):
     """Load the teacher straight onto ``device`` (``device_map``: no full copy in host memory first),
     with safetensors weights only (``cfg.allow_bin`` also accepts ``.bin`` weights, which
     transformers reads with ``torch.load(weights_only=True)``) and remote code off unless configured."""
-    from transformers import AutoModelForCausalLM
 
     if cfg.dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(_DTYPES)}")

@@ -145,7 +145,10 @@ class VLLMScorer:
         """``engine_overrides`` replace entries of :func:`engine_args` (the GPU bench passes
         ``load_format="dummy"`` for random weights)."""
         try:
-            from vllm import LLM, SamplingParams
+            from vllm import (  # optional and heavy: only where this backend runs
+                LLM,
+                SamplingParams,
+            )
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "the vllm backend needs the optional extra: pip install 'vocagno[vllm]' "
@@ -159,7 +162,7 @@ class VLLMScorer:
         return {"backend": "vllm", "dtype": self.cfg.dtype, "device": "cuda"}
 
     def score(self, windows: Sequence[np.ndarray]) -> list[np.ndarray]:
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # optional and heavy: only where this backend runs
 
         too_long = [len(w) for w in windows if len(w) > self.cfg.window]
         if too_long:
