@@ -120,7 +120,7 @@ def _figure(cfg: MemoryBenchConfig, workload: str, runs: dict) -> dict:
         return figure(f"memory_{workload}", measure, None, cfg.target, "<=", note=f"not measured: {problem}"[:400])
     ratios = {k: large[k] / small[k] for k in ("peak_tree_mib", "root_hwm_mib", "peak_child_mib") if small.get(k)}
     worst = max(ratios, key=ratios.get)
-    note = (f"{small['documents']} vs {large['documents']} docs; peak MiB 1x/10x: tree {small['peak_tree_mib']:.0f}/"
+    note = (f"{small['documents']} vs {large['documents']} docs; peak MiB 1x/{cfg.scale}x: tree {small['peak_tree_mib']:.0f}/"
             f"{large['peak_tree_mib']:.0f}, root {small['root_hwm_mib']:.0f}/{large['root_hwm_mib']:.0f}"
             + (f", largest child {small['peak_child_mib']:.0f}/{large['peak_child_mib']:.0f}"
                if small.get("peak_child_mib") else "")
