@@ -73,6 +73,20 @@ def micro_teacher(tmp_path_factory, micro_corpus) -> Path:
     return build_micro_teacher(micro_corpus, tmp_path_factory.mktemp("teacher") / "micro")
 
 
+MICRO_STUDENT_SPEC = dict(vocab_size=640, limit_alphabet=100, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=2, num_kv_heads=1, context=64, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_student(micro_corpus, tmp_path_factory) -> Path:
+    """A tiny Llama student with its own SentencePiece-style vocabulary (context 64)."""
+    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
+
+    return build_tiny_student(clean_texts(micro_corpus), tmp_path_factory.mktemp("students") / "sp",
+                              TinyStudentSpec(**MICRO_STUDENT_SPEC))
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray cluster for the whole session (dashboard off); jobs reuse it."""

@@ -52,17 +52,34 @@ def exclusive_writer(folder: str | os.PathLike, what: str = "scoring job", *, he
         return
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    path = folder / LOCK_NAME
+    fd = _locked_fd(path, folder, what)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            raise DatasetBusyError(f"{folder}: another {what} is writing this folder ({holder})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # removed while still held: the folder is left as the job found it
+        os.close(fd)
+
+
+def _locked_fd(path: Path, folder: Path, what: str) -> int:
+    """A descriptor of ``path`` holding its ``flock``. The holder removes the file when it is done,
+    so a lock won on a file that was removed meanwhile is not the folder's lock: try again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DatasetBusyError(f"{folder}: another {what} is writing this folder ({holder})") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
         os.close(fd)
 
 

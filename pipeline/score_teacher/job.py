@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 import pipeline
-from pipeline.config import ConfigError, MissingPathError, build, defaults, raise_if
+from pipeline.config import ConfigError, MissingPathError, build, check_at_least, defaults, raise_if
 from pipeline.dataset_card import write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import looks_local
@@ -91,6 +91,16 @@ class TeacherConfig:
     stride: int | None = None  # None: window // 2
     trust_remote_code: bool = False
     allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); docs/running-at-scale.md
+
+    def problems(self) -> list[str]:
+        """What can be told without the model (its positions are checked by :func:`prepare`)."""
+        found: list[str] = []
+        check_at_least(found, "window", self.window, 2)
+        check_at_least(found, "stride", self.stride, 1)
+        if self.window is not None and self.stride is not None and self.stride >= self.window:
+            found.append(f"stride: {self.stride} must be < window ({self.window}): each window after the first "
+                         "keeps window - stride >= 1 tokens of left context")
+        return found
 
 
 @dataclass(frozen=True)
@@ -243,12 +253,11 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         revision=cfg.teacher.revision,
         trust_remote_code=cfg.teacher.trust_remote_code,
     )
-    window = cfg.teacher.window or _context_length(cfg.teacher)
-    if cfg.scorer.backend == "vllm":
-        window = _vllm_window(window, cfg.teacher)
-    stride = cfg.teacher.stride or window // 2
+    window = plan_window(cfg.teacher, cfg.scorer.backend, _context_length(cfg.teacher))
+    stride = window // 2 if cfg.teacher.stride is None else cfg.teacher.stride
     if not 1 <= stride < window:
-        raise ConfigError(f"teacher.stride must be in [1, window) = [1, {window}), got {stride}")
+        raise ConfigError(f"teacher.stride: {stride} must be in [1, window - 1] = [1, {window - 1}] "
+                          "(each window after the first keeps window - stride tokens of left context)")
     settings = WindowSettings(window=window, stride=stride, bos_id=bos_token_id(tokenizer))
     scorer = ScorerConfig(**{**asdict(cfg.scorer), "model": cfg.teacher.model, "revision": cfg.teacher.revision,
                              "trust_remote_code": cfg.teacher.trust_remote_code, "window": window,
@@ -289,23 +298,32 @@ def _check_local_paths(teacher: TeacherConfig) -> None:
         raise MissingPathError("\n".join(problems))
 
 
-def _vllm_window(window: int, teacher: TeacherConfig) -> int:
-    """The window the vLLM engine can take: one token shorter where the teacher's positions leave
-    no room for the output token vLLM insists on (:func:`pipeline.score_teacher.backends.vllm.engine_window`)."""
+def plan_window(teacher: TeacherConfig, backend: str, positions: int | None) -> int:
+    """The window to score with: ``teacher.window``, or the teacher's ``positions``. A window the
+    model has no positions for is refused (losses past them would be computed beyond the context
+    it was trained on); the vLLM engine needs one more position, for the output token it insists
+    on, so its default window is one shorter (:func:`pipeline.score_teacher.backends.vllm.engine_window`)."""
+    if positions is None:  # the model's config does not say
+        if teacher.window is None:
+            raise ConfigError(f"{teacher.model}: its config gives no context length; set teacher.window")
+        return teacher.window
+    room = positions - 1 if backend == "vllm" else positions
+    if teacher.window is None:
+        return engine_window(positions, positions) if backend == "vllm" else positions
+    if teacher.window > room:
+        need = " + 1 (the output token vLLM insists on)" if backend == "vllm" else ""
+        raise ConfigError(f"teacher.window: {teacher.window}{need} does not fit the {positions} positions of "
+                          f"{teacher.model}: set teacher.window <= {room}, or leave it unset for {room}")
+    return teacher.window
 
-    shorter = engine_window(window, _context_length(teacher))
-    if shorter != window:
-        log.warning("vllm backend: windows of %d tokens, not %d: vLLM needs one position for an output "
-                    "token and %s has %d", shorter, window, teacher.model, shorter + 1)
-    return shorter
 
-
-def _context_length(teacher: TeacherConfig) -> int:
+def _context_length(teacher: TeacherConfig) -> int | None:
+    """The teacher's positions, as its config states them (None: it does not)."""
     config = AutoConfig.from_pretrained(teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if getattr(config, key, None):
             return int(getattr(config, key))
-    raise ConfigError(f"{teacher.model}: config gives no context length; set teacher.window")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -142,9 +142,12 @@ def select_tokens(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) bool masks ``(trained, selected)``: every token the loss averages over, and the
-    mapped tokens chosen by the excess loss (guided) or at random (random)."""
+    mapped tokens chosen by the excess loss (guided), at random (random), or all of them (cpt,
+    which trains every token: none is dropped)."""
     if config.mode == "cpt":
-        return valid, torch.zeros_like(valid)
+        if teacher_loss is None or mapped is None:
+            return valid, torch.zeros_like(valid)
+        return valid, mapped & valid & ~torch.isnan(teacher_loss)
     if teacher_loss is None or mapped is None:
         raise ValueError(f"mode {config.mode!r} needs teacher_loss and mapped")
     candidates = mapped & valid & ~torch.isnan(teacher_loss)  # (B, T)

@@ -18,7 +18,7 @@ from pipeline.train_student.data import AlignmentConfig, PackingConfig, build_st
 from pipeline.tokenization import load_tokenizer
 from pipeline.train_student.run import StudentConfig, load_student
 from storage_schemas import file_sha256, read_manifest
-from test_train_student import compose, tiny_student  # noqa: F401  (tiny_student is a fixture)
+from test_train_student import compose
 
 
 @pytest.mark.parametrize("student", ["tiny-sentencepiece", "llama2"])

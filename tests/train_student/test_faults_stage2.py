@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 from pipeline.train_student.checkpoints import COMPLETE_NAME
 from pipeline.train_student.trainer import NonFiniteLossError
 from pipeline.train_student.run import RunMismatchError, run_training
-from test_train_student import make_job, metrics, tiny_student  # noqa: F401  (tiny_student is a fixture)
+from test_train_student import make_job, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 # What must be equal, step by step, between an interrupted and an uninterrupted run (not the clock).

@@ -85,6 +85,18 @@ def test_cpt_equals_mean_cross_entropy():
     torch.testing.assert_close(loss_no_teacher, expected)
 
 
+def test_cpt_statistics_call_every_trained_token_kept():
+    """cpt trains every token: every mapped one counts as selected (none dropped), so the teacher
+    loss of the kept tokens is the mean over the mapped valid ones, and nothing is dropped."""
+    logits, labels, teacher, mapped = random_batch()
+    _, stats = guided_loss(logits, labels, teacher, mapped, SelectionConfig(mode="cpt"))
+    candidates = (labels != -100) & mapped
+    assert float(stats.kept_fraction) == 1.0
+    assert int(stats.n_selected) == int(candidates.sum()) == int(stats.n_mapped)
+    torch.testing.assert_close(stats.teacher_loss_kept, teacher[candidates].mean())
+    assert math.isnan(float(stats.teacher_loss_dropped))  # no token dropped
+
+
 def test_per_token_loss_input_equals_logits_input():
     logits, labels, teacher, mapped = random_batch()
     token_loss = F.cross_entropy(

@@ -34,7 +34,7 @@ from pipeline.train_student.several_teachers import (
 )
 from pipeline.tokenization import Encoding, load_tokenizer
 from storage_schemas.reader import ScoredDataset, ScoredDocument, ShardReader
-from test_train_student import CrashAt, make_job, metrics, tiny_student  # noqa: F401  (tiny_student is a fixture)
+from test_train_student import CrashAt, make_job, metrics
 
 NAN = float("nan")
 

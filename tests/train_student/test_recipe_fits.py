@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.train_student.run import run_training, validate
-from test_train_student import compose, make_job, tiny_student  # noqa: F401  (tiny_student is a fixture)
+from test_train_student import compose, make_job
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
 from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
 from pipeline.train_student.data import AlignmentConfig
 from pipeline.train_student.guided_loss import SelectionConfig
@@ -27,17 +26,9 @@ from pipeline.train_student.run import (
 from storage_schemas import file_sha256
 
 REPO = Path(__file__).resolve().parents[2]
-SPEC = TinyStudentSpec(vocab_size=640, limit_alphabet=100, hidden_size=32, intermediate_size=64, num_layers=2,
-                       num_heads=2, num_kv_heads=1, context=64, seed=3)
 METRICS = ("loss", "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "teacher_loss_kept",
            "teacher_loss_dropped", "excess_loss", "tokens_per_s", "learning_rate", "grad_norm")
 
-
-@pytest.fixture(scope="module")
-def tiny_student(micro_corpus, tmp_path_factory) -> Path:
-    from pipeline.embedded.sample_corpus import clean_texts
-
-    return build_tiny_student(clean_texts(micro_corpus), tmp_path_factory.mktemp("students") / "sp", SPEC)
 
 
 def make_job(model: Path, scored: Path, out: Path, steps: int = 4, **changes) -> TrainJobConfig:
