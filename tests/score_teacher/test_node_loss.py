@@ -7,17 +7,20 @@ the session's one-node run of the same corpus and teacher (``micro_scored``, 4 s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from pipeline.config import UserError
 from pipeline.score_teacher.faults import FAULTS_ENV
-from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.pool import ActorStartError, PoolConfig, ResourcesUnavailableError, run_shards
 from storage_schemas import file_sha256, read_manifest
 from test_score_job import assert_same_dataset
 
@@ -150,6 +153,56 @@ def test_pool_wait_settings_are_validated():
     for bad in ({"wait_for_resources_s": 0}, {"wait_log_every_s": -1}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))}: .* must be > 0"):
             PoolConfig(**bad)
+
+
+def _toy_actor(ray, load_error: OSError | None = None, **options):
+    """A stand-in scorer (defined here, so Ray ships it by value): placed, loads, scores nothing."""
+    class Toy:
+        def describe(self):
+            return {"node_id": ray.get_runtime_context().get_node_id()}
+
+        def load(self):
+            if load_error is not None:
+                raise load_error
+            return self.describe()
+
+        def score_shard(self, spec, attempt):
+            return {"index": spec.index, "attempt": attempt}
+
+    return ray.remote(Toy).options(max_restarts=0, **options)
+
+
+def test_no_node_holding_an_actor_is_waited_for_visibly_then_named_in_one_line(ray_local, caplog):
+    """On the local one-node cluster, actors that ask for a resource no node has: nothing is
+    created, the wait is logged with what one actor asks for, and ends after the bound."""
+    toy = _toy_actor(ray_local, num_cpus=1, resources={"tpu_slice": 1})
+    pool = PoolConfig(num_cpus=1, resources={"tpu_slice": 1}, wait_for_resources_s=1, wait_log_every_s=0.5)
+    statuses = []
+    with caplog.at_level("WARNING", logger="pipeline.score_teacher.pool"):
+        with pytest.raises(ResourcesUnavailableError) as err:
+            run_shards(toy.remote, [SimpleNamespace(index=0)], pool, lambda *a: None, lambda *a: None,
+                       on_status=statuses.append)
+    message = str(err.value)
+    assert isinstance(err.value, UserError) and len(message.splitlines()) == 1
+    assert "one actor asks for CPU=1, tpu_slice=1" in message and "tpu_slice=0" in message
+    assert statuses == ["waiting for resources (CPU=1, tpu_slice=1 per actor)"]
+    assert any("waiting for resources since" in r.getMessage() and "0 placed, 1 shard left" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_an_actor_that_cannot_load_the_teacher_stops_the_job(ray_local):
+    """A load error that another try will not fix stops the job at once; a transient one is tried
+    on a fresh actor, 1 + ``pool.shard_retries`` times in a row."""
+    pool = PoolConfig(num_actors=1, num_cpus=1, shard_retries=1)
+    gone = _toy_actor(ray_local, OSError(errno.ENOENT, "no such teacher folder"), num_cpus=1)
+    with pytest.raises(ActorStartError, match=r"\(1 in a row\).*no such teacher folder"):
+        run_shards(gone.remote, [SimpleNamespace(index=0)], pool, lambda *a: None, lambda *a: None)
+    flaky = _toy_actor(ray_local, OSError(errno.EIO, "read error"), num_cpus=1)
+    with pytest.raises(ActorStartError, match=r"\(2 in a row\).*read error"):
+        run_shards(flaky.remote, [SimpleNamespace(index=0)], pool, lambda *a: None, lambda *a: None)
+    fine = _toy_actor(ray_local, num_cpus=1)
+    run = run_shards(fine.remote, [SimpleNamespace(index=i) for i in range(3)], pool, lambda *a: None, lambda *a: None)
+    assert sorted(e["index"] for e in run.scored) == [0, 1, 2] and len(run.actors) == 1
 
 
 @pytest.mark.slow
