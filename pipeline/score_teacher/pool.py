@@ -184,8 +184,8 @@ def num_actors(pool: PoolConfig, nodes: Sequence[dict]) -> int:
         raise ConfigError(f"one scorer actor asks for {_amounts(need)} (pool.num_gpus, pool.num_cpus, pool.resources), "
                           f"but no node of the Ray cluster has that much ({_have(nodes, need)})")
     if pool.num_actors and pool.num_actors > capacity:
-        log.warning("pool.num_actors=%d, but the cluster's nodes hold only %d actors of %s: starting %d",
-                    pool.num_actors, capacity, _amounts(need), capacity)
+        log.warning("pool.num_actors=%d, but the cluster's nodes hold only %d actors of %s: starting %d "
+                    "(more as nodes join)", pool.num_actors, capacity, _amounts(need), capacity)
     return min(pool.num_actors or capacity, capacity)
 
 
@@ -361,7 +361,6 @@ class PoolRun:
 @dataclass(eq=False)
 class _Actor:
     handle: object
-    created: float  # time.monotonic()
     call: object = None  # its pending describe() (state "placing") or load() ("loading")
     state: str = "placing"  # placing -> loading -> live
     info: dict = field(default_factory=dict)  # its describe(): node_id, node_ip, hostname ...
@@ -425,7 +424,7 @@ class ScorerPool:
             self.remove(actor)
         for _ in range(wanted - len(self.actors)):
             handle = self.make_actor()
-            self.actors.append(_Actor(handle, time.monotonic(), call=handle.describe.remote()))
+            self.actors.append(_Actor(handle, call=handle.describe.remote()))
 
     def placing(self) -> list[_Actor]:
         return [a for a in self.actors if a.state == "placing"]
