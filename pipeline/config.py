@@ -140,8 +140,15 @@ def defaults(cls: type, drop: Iterable[str] = (), rename: Mapping[str, str] | No
             value = f.default_factory()
         else:
             continue
-        out[rename.get(f.name, f.name)] = defaults(type(value)) if dataclasses.is_dataclass(value) else value
+        out[rename.get(f.name, f.name)] = _as_values(value)
     return out
+
+
+def _as_values(value: Any) -> Any:
+    """A default as a config file writes it: a dataclass instance as the mapping of its own values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _as_values(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
 
 
 def _unchecked(cls: type[T], values: dict[str, Any]) -> T:

@@ -6,8 +6,11 @@ Set ``VOCAGNO_INJECT_FAULTS`` (on the driver; the job passes it on to its actors
 
 The first ``times`` tries at shard 3 then fail with ``error``: ``oom`` (``torch.cuda.OutOfMemoryError``),
 ``read`` (an ``OSError`` EIO), ``die`` (the actor's process exits at once) or ``bug`` (a ``TypeError``,
-which is not transient). Tries are counted with files in ``counter_dir``, so the count holds across
-actor processes, restarts and nodes of one machine. Unset, it costs one environment lookup per shard.
+which is not transient); or ``hang``: the try waits until the file ``release`` exists (or for
+``seconds``, an hour unless given), then goes on, as a shard on a node about to be lost would. Tries
+are counted with files in ``counter_dir``, each holding the Ray node id of the try, so the count holds
+across actor processes, restarts and nodes of one machine. Unset, it costs one environment lookup
+per shard.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 
+import ray
 import torch
 
 FAULTS_ENV = "VOCAGNO_INJECT_FAULTS"
-KINDS = ("oom", "read", "die", "bug")
+KINDS = ("oom", "read", "die", "bug", "hang")
 
 
 def inject_fault(index: int) -> None:
@@ -43,16 +48,38 @@ def inject_fault(index: int) -> None:
         raise OSError(errno.EIO, f"Input/output error: {message}")
     if fault["error"] == "die":
         os._exit(1)
+    if fault["error"] == "hang":
+        _hang(fault.get("release"), float(fault.get("seconds", 3600)))
+        return
     raise TypeError(message)
 
 
+def _hang(release: str | None, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (release and os.path.exists(release)):
+        time.sleep(0.1)
+
+
 def _count_try(folder: str, index: int) -> int:
-    """Record one more try at shard ``index``; returns its number (1 for the first)."""
+    """Record one more try at shard ``index`` (the file holds the node id); returns its number (1 for the first)."""
     os.makedirs(folder, exist_ok=True)
     n = 1
     while True:
         try:
-            os.close(os.open(os.path.join(folder, f"shard-{index}.try-{n}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return n
+            fd = os.open(os.path.join(folder, f"shard-{index}.try-{n}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             n += 1
+            continue
+        try:
+            os.write(fd, _node_id().encode())
+        finally:
+            os.close(fd)
+        return n
+
+
+def _node_id() -> str:
+    """The Ray node this process runs on, or "" outside Ray."""
+    try:
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - a note for tests only, never a reason to fail the try
+        return ""

@@ -3,9 +3,10 @@
 The driver does everything that can fail on bad configuration *before* Ray starts (resolve the
 corpus, plan the shards, load the teacher's tokenizer and config, check the output folder). Then a
 pool of :class:`ShardScorer` actors, each holding the teacher once (``num_gpus`` per actor from the
-config), takes pending shards as they free up. An actor that dies is restarted by Ray and its shard
-is redone whole (``max_restarts``/``max_task_retries``). Each actor writes its shard and marker
-itself, so a shard is complete on disk before the driver hears of it.
+config), takes pending shards as they free up. An actor that dies, or whose node is lost, is replaced
+where an alive node has room, and its shard is redone whole (:mod:`pipeline.score_teacher.pool`).
+Each actor writes its shard and marker itself, so a shard is complete on disk before the driver
+hears of it.
 
 The dataset's identity (what the teacher, tokenizer, windows and corpus *are*: digests and hub ids,
 :mod:`pipeline.provenance`) is compared on every rerun; where they were found is written to the
@@ -28,7 +29,14 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 import pipeline
-from pipeline.config import ConfigError, MissingPathError, build, check_at_least, defaults, raise_if
+from pipeline.config import (
+    ConfigError,
+    MissingPathError,
+    build,
+    check_at_least,
+    defaults,
+    raise_if,
+)
 from pipeline.dataset_card import write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import looks_local
@@ -332,21 +340,30 @@ def _context_length(teacher: TeacherConfig) -> int | None:
 
 class ShardScorer:
     """Holds the teacher once; scores and writes whole shards. Runs as a Ray actor, and records in
-    each shard's marker which node scored it and on which try."""
+    each shard's marker which node scored it and on which try. Creating one is cheap, so that its
+    first answer (``describe()``) says it was placed; ``load()`` then loads the teacher."""
 
     def __init__(self, prepared: Prepared, teacher: TeacherConfig, cfg: ScoreJobConfig, version: str):
-        if cfg.pool.num_gpus == 0:
-            torch.set_num_threads(max(1, int(cfg.pool.num_cpus)))
         self.prepared = prepared
+        self.teacher = teacher
         self.cfg = cfg
         self.version = version
         self.node = _this_node()
-        self.tokenizer = load_tokenizer(
-            teacher.tokenizer or teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code
-        )
-        self.scorer = make_scorer(prepared.scorer)
+        self.tokenizer = self.scorer = None
+
+    def load(self) -> dict:
+        """Load the tokenizer and the teacher; returns :meth:`describe`."""
+        if self.scorer is None:
+            if self.cfg.pool.num_gpus == 0:
+                torch.set_num_threads(max(1, int(self.cfg.pool.num_cpus)))
+            teacher = self.teacher
+            self.tokenizer = load_tokenizer(teacher.tokenizer or teacher.model, revision=teacher.revision,
+                                            trust_remote_code=teacher.trust_remote_code)
+            self.scorer = make_scorer(self.prepared.scorer)
+        return self.describe()
 
     def score_shard(self, spec: ShardSpec, attempt: int = 1) -> dict:
+        self.load()
         t0 = time.perf_counter()
         try:
             inject_fault(spec.index)
@@ -476,15 +493,15 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
         if len(nodes) > 1 or cfg.ray.address:
             check_nodes_see(nodes, _local_inputs(cfg, prepared, pending), _local_output(cfg.output_dir), env)
         n_actors = min(len(pending), num_actors(cfg.pool, nodes))
-        actor_cls = ray.remote(ShardScorer).options(
+        actor_cls = ray.remote(ShardScorer).options(  # the pool replaces dead actors, not Ray (ScorerPool)
             num_gpus=cfg.pool.num_gpus,
             num_cpus=cfg.pool.num_cpus,
             resources=dict(cfg.pool.resources) or None,
-            max_restarts=cfg.pool.max_restarts,
-            max_task_retries=cfg.pool.max_task_retries,
+            max_restarts=0,
+            max_task_retries=0,
             runtime_env=env,
         )
-        bar = tqdm(total=len(pending), unit="shard", desc=f"scoring ({n_actors} actor{'s' * (n_actors > 1)})",
+        bar = tqdm(total=len(pending), unit="shard", desc=f"starting {n_actors} actor{'s' * (n_actors > 1)}",
                    disable=not cfg.progress, dynamic_ncols=True)
         t_start = time.perf_counter()
         last_manifest = [time.monotonic()]
@@ -503,10 +520,12 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
             done[entry["index"]] = entry
             progress(run)
 
-        run = run_shards(lambda: actor_cls.remote(prepared, cfg.teacher, cfg, version), n_actors, pending, cfg.pool,
-                         on_scored=scored, on_failed=lambda failure, run: progress(run))
-        bar.close()
-        return run
+        try:
+            return run_shards(lambda: actor_cls.remote(prepared, cfg.teacher, cfg, version), pending, cfg.pool,
+                              on_scored=scored, on_failed=lambda failure, run: progress(run),
+                              on_status=bar.set_description_str)
+        finally:
+            bar.close()
     finally:
         if started_ray:
             ray.shutdown()

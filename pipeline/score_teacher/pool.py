@@ -14,8 +14,11 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,7 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import pipeline
 import storage_schemas
-from pipeline.config import ConfigError, check_at_least, check_choice, refuse
+from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
 from pipeline.score_teacher.faults import FAULTS_ENV
 
 log = logging.getLogger(__name__)
@@ -55,30 +58,34 @@ ON_BAD_SHARD = ("stop", "skip")
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """The scorer actors and what happens when a shard fails.
+    """The scorer actors and what happens when a shard fails or a node is lost.
 
     A shard whose scoring raises a transient error (:func:`is_transient`: CUDA out of memory, a read
     error, its actor or node died) is tried again, up to ``shard_retries`` more times, on whichever
-    actor is free; a dead actor is replaced. Other errors are not retried. A shard that still fails
-    stops the job (``on_bad_shard=stop``), or is left out and listed in the manifest's ``failed``
-    (``skip``); the next run scores it again. ``max_restarts``/``max_task_retries`` are Ray's own
-    restart of a dead actor and of its current call, which the shard's tries do not count.
+    actor is free. Other errors are not retried. A shard that still fails stops the job
+    (``on_bad_shard=stop``), or is left out and listed in the manifest's ``failed`` (``skip``); the
+    next run scores it again. The pool, not Ray, replaces a dead actor, and only where an alive node
+    has room for it (:func:`run_shards`); it waits for room at most ``wait_for_resources_s`` with no
+    actor placed, saying what it waits for every ``wait_log_every_s``.
     """
 
-    num_actors: int | None = None  # None: as many as the nodes hold (GPUs, CPUs and resources per actor)
+    num_actors: int | None = None  # None: as many as the alive nodes hold (GPUs, CPUs and resources per actor)
     num_gpus: float = 0.0
     num_cpus: float = 1.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per actor
-    max_restarts: int = 2  # per actor, if it dies
-    max_task_retries: int = 2  # a shard on a dead actor is retried on its restart
     shard_retries: int = 2  # more tries of a shard after a transient error
     on_bad_shard: str = "stop"  # stop | skip
+    wait_for_resources_s: float = 600.0  # with no actor placed this long (no node has room), the job stops
+    wait_log_every_s: float = 60.0  # while actors wait for a place, log what they wait for this often
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "on_bad_shard", self.on_bad_shard, ON_BAD_SHARD)
         check_at_least(found, "shard_retries", self.shard_retries, 0)
         check_at_least(found, "num_actors", self.num_actors, 1)
+        for name in ("wait_for_resources_s", "wait_log_every_s"):
+            if getattr(self, name) <= 0:
+                found.append(f"{name}: {getattr(self, name)} must be > 0")
         for name in ("num_gpus", "num_cpus"):
             if getattr(self, name) < 0:
                 found.append(f"{name}: {getattr(self, name)} must be >= 0")
@@ -111,12 +118,24 @@ def init_ray(rc: RayConfig) -> bool:
         return False
     kwargs = dict(include_dashboard=rc.include_dashboard, dashboard_host=rc.dashboard_host,
                   log_to_driver=True, configure_logging=True, logging_level=logging.WARNING)
+    handlers = _python_signal_handlers()
     with shipped_code(rc) as env:
         if rc.address:
             ray.init(address=rc.address, runtime_env=env, **kwargs)
         else:  # a new local cluster, never one that happens to run on this machine
             ray.init(address="local", num_cpus=rc.num_cpus, runtime_env=env, **kwargs)
+    for signum, handler in handlers.items():  # Ray's core worker installs its own (it aborts on SIGTERM)
+        signal.signal(signum, handler)
     return True
+
+
+def _python_signal_handlers() -> dict:
+    """The entry point's own SIGINT / SIGTERM handlers (Python callables), to put back after Ray
+    starts; none outside the main thread, where signals cannot be handled."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    found = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    return {s: h for s, h in found.items() if callable(h)}
 
 
 @contextlib.contextmanager
@@ -175,20 +194,31 @@ def num_actors(pool: PoolConfig, nodes: Sequence[dict]) -> int:
     and custom resources of what one actor asks), so that none is left waiting for a place;
     ``pool.num_actors`` caps it. Raises :class:`ConfigError` when no node holds even one."""
     need = pool.per_actor()
-    capacity = sum(actors_per_node(n.get("Resources", {}), need) for n in nodes)
+    capacity = cluster_capacity(nodes, need)
     if capacity < 1:
-        have = "; ".join(f"{_node_label(n)}: " + ", ".join(f"{k}={v:g}" for k, v in sorted(n.get("Resources", {}).items())
-                                                           if k in need) for n in nodes)
         raise ConfigError(f"one scorer actor asks for {_amounts(need)} (pool.num_gpus, pool.num_cpus, pool.resources), "
-                          f"but no node of the Ray cluster has that much ({have or 'no nodes'})")
+                          f"but no node of the Ray cluster has that much ({_have(nodes, need)})")
     if pool.num_actors and pool.num_actors > capacity:
-        log.warning("pool.num_actors=%d, but the cluster's nodes hold only %d actors of %s: starting %d",
-                    pool.num_actors, capacity, _amounts(need), capacity)
+        log.warning("pool.num_actors=%d, but the cluster's nodes hold only %d actors of %s: starting %d "
+                    "(more as nodes join)", pool.num_actors, capacity, _amounts(need), capacity)
     return min(pool.num_actors or capacity, capacity)
+
+
+def cluster_capacity(nodes: Sequence[dict], need: dict[str, float]) -> int:
+    """How many actors that each ask ``need`` the ``nodes`` hold, node by node (their totals)."""
+    return sum(actors_per_node(n.get("Resources", {}), need) for n in nodes)
 
 
 def _amounts(need: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:g}" for k, v in need.items()) or "nothing"
+
+
+def _have(nodes: Sequence[dict], need: dict[str, float], shown: int = 4) -> str:
+    """What the first ``shown`` nodes hold of the resources one actor asks for."""
+    parts = [f"{_node_label(n)}: " + (", ".join(f"{k}={n.get('Resources', {}).get(k, 0.0):g}" for k in need) or "-")
+             for n in nodes[:shown]]
+    more = f"; and {len(nodes) - shown} more" if len(nodes) > shown else ""
+    return "; ".join(parts) + more if parts else "no nodes"
 
 
 def _node_label(node: dict) -> str:
@@ -310,16 +340,6 @@ def first_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
-def _described(refs: list) -> list[dict]:
-    found = []
-    for ref in refs:
-        try:
-            found.append(ray.get(ref, timeout=30))
-        except ray.exceptions.RayError:
-            continue  # that actor died; its replacement was not described
-    return found
-
-
 class ShardFailedError(RuntimeError):
     """A shard failed for good and ``on_bad_shard=stop``; not a user error: its traceback (and the
     remote one in its message) is kept. ``failed`` lists every shard that failed in this run."""
@@ -329,64 +349,275 @@ class ShardFailedError(RuntimeError):
         self.failed = failed
 
 
+class ResourcesUnavailableError(UserError, RuntimeError):
+    """No scorer actor could be placed for ``pool.wait_for_resources_s``: the alive nodes lack the
+    resources one actor asks for. The shards finished so far are kept; a rerun resumes from them."""
+
+
+class ActorStartError(RuntimeError):
+    """Scorer actors failed to load the teacher (not a user error: the traceback is kept)."""
+
+
+# The pool looks at the cluster's nodes this often while shards run (and wakes this often when
+# nothing finishes): to drop actors on lost nodes, grow and shrink, log a wait, and end it.
+CHECK_EVERY_S = 2.0
+
+
 @dataclass
 class PoolRun:
     scored: list[dict] = field(default_factory=list)  # marker entries of the shards scored
     failed: list[dict] = field(default_factory=list)  # {"index", "error", "attempts"} of the shards given up
-    actors: list[dict] = field(default_factory=list)  # where the first actors ran (their describe())
+    actors: list[dict] = field(default_factory=list)  # where the actors that started ran (their describe())
 
 
-def run_shards(make_actor: Callable[[], object], n_actors: int, specs: Sequence, pool: PoolConfig,
-               on_scored: Callable[[dict, PoolRun], None], on_failed: Callable[[dict, PoolRun], None]) -> PoolRun:
-    """Score ``specs`` (each with an ``index``) on ``n_actors`` actors from ``make_actor``, one shard
-    per actor at a time, with :class:`PoolConfig`'s fault policy. ``on_scored``/``on_failed`` are called
-    on the driver as each shard finishes or is given up. The actors are killed on return or error;
-    where the first ones ran (their ``describe()``) is in the result's ``actors``."""
+@dataclass(eq=False)
+class _Actor:
+    handle: object
+    call: object = None  # its pending describe() (state "placing") or load() ("loading")
+    state: str = "placing"  # placing -> loading -> live
+    info: dict = field(default_factory=dict)  # its describe(): node_id, node_ip, hostname ...
 
-    actors = [make_actor() for _ in range(n_actors)]
-    described = [actor.describe.remote() for actor in actors]
-    idle = deque(range(n_actors))
+
+class ScorerPool:
+    """The scorer actors of one job, sized to what the alive nodes hold.
+
+    An actor is *placed* once its ``describe()`` answers (Ray found it a node with the resources it
+    asks for and started it), then loads the teacher (``load()``), then is *live* and takes shards:
+    a shard is never bound to an actor that has not started. Every :data:`CHECK_EVERY_S` the pool
+    reads the alive nodes: it drops the actors on nodes that are gone, creates actors up to what
+    the nodes hold (``pool.num_actors`` caps it; the shards left cap it too), and removes the
+    unplaced ones they can no longer hold. It grows when nodes join, as on an autoscaling cluster.
+    While actors wait for a place it logs what for every ``pool.wait_log_every_s``; after
+    ``pool.wait_for_resources_s`` with no actor placed it raises :class:`ResourcesUnavailableError`.
+    Ray's own restarts are off: Ray would restart a dead actor wherever it could, even where no
+    node has room, with the shard it ran still bound to it."""
+
+    def __init__(self, make_actor: Callable[[], object], pool: PoolConfig):
+        self.make_actor, self.pool, self.need = make_actor, pool, pool.per_actor()
+        self.actors: list[_Actor] = []
+        self.idle: deque[_Actor] = deque()
+        self.started: list[dict] = []  # describe() of every actor that loaded the teacher, in order
+        self.nodes: list[dict] = []
+        self.capacity: int | None = None
+        self.checked = -float("inf")
+        self.unplaced_since: float | None = time.monotonic()  # since when no actor is placed
+        self.waiting_since: float | None = None  # since when an actor waits for a place
+        self.next_log = float("inf")
+        self.load_failures = 0  # in a row
+
+    # -- reading the cluster, growing and shrinking
+
+    def check(self, work_left: int) -> None:
+        """Look at the alive nodes (at most every :data:`CHECK_EVERY_S`) and fit the pool to them;
+        log and bound the wait for resources."""
+        now = time.monotonic()
+        if now - self.checked < CHECK_EVERY_S:
+            return
+        self.checked = now
+        self.nodes = alive_nodes()
+        alive = {n["NodeID"] for n in self.nodes}
+        for actor in [a for a in self.actors if a.state != "placing" and a.info.get("node_id") not in alive]:
+            log.warning("the node of a scorer actor is gone (%s): its shard, if any, is tried again elsewhere",
+                        actor.info.get("node_ip"))
+            self.remove(actor)  # its running shard fails and is queued again
+        capacity = cluster_capacity(self.nodes, self.need)
+        if self.capacity is not None and capacity != self.capacity:
+            (log.warning if capacity < self.capacity else log.info)(
+                "the alive nodes now hold %d scorer actor%s of %s (were %d)%s", capacity, "s" * (capacity != 1),
+                _amounts(self.need), self.capacity, "" if capacity else f": {_have(self.nodes, self.need)}")
+        self.capacity = capacity
+        self._fit(min(self.pool.num_actors or capacity, capacity, work_left))
+        self._watch_wait(now, work_left)
+
+    def _fit(self, wanted: int) -> None:
+        """Remove unplaced actors beyond ``wanted`` (newest first), then create actors up to it."""
+        placed = len(self.actors) - len(self.placing())
+        for actor in self.placing()[::-1][:max(0, len(self.actors) - max(wanted, placed))]:
+            self.remove(actor)
+        for _ in range(wanted - len(self.actors)):
+            handle = self.make_actor()
+            self.actors.append(_Actor(handle, call=handle.describe.remote()))
+
+    def placing(self) -> list[_Actor]:
+        return [a for a in self.actors if a.state == "placing"]
+
+    def remove(self, actor: _Actor) -> None:
+        ray.kill(actor.handle, no_restart=True)
+        self.actors.remove(actor)
+        if actor in self.idle:
+            self.idle.remove(actor)
+
+    def close(self) -> None:
+        for actor in list(self.actors):
+            self.remove(actor)
+
+    # -- actors starting
+
+    def starting_calls(self) -> list:
+        return [a.call for a in self.actors if a.state != "live"]
+
+    def started_call(self, ref) -> None:
+        """An actor's ``describe()`` or ``load()`` answered (or failed)."""
+
+        actor = next((a for a in self.actors if a.call == ref), None)
+        if actor is None:  # removed meanwhile
+            return
+        try:
+            answer = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            self._start_failed(actor, exc)
+            return
+        actor.info = answer
+        if actor.state == "placing":  # placed: now load the teacher
+            actor.state, actor.call = "loading", actor.handle.load.remote()
+        else:
+            actor.state, actor.call = "live", None
+            self.load_failures = 0
+            self.started.append(answer)
+            self.idle.append(actor)
+
+    def _start_failed(self, actor: _Actor, exc: BaseException) -> None:
+        """An actor lost with its node (or removed) is forgotten; one whose teacher failed to load is
+        replaced, and the job stops after ``1 + shard_retries`` such failures in a row, or at once
+        when the error is not transient."""
+
+        self.remove(actor)
+        if isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed:
+            log.info("a scorer actor was lost while starting (%s); another is started where there is room",
+                     first_line(exc))
+            return
+        self.load_failures += 1
+        if not is_transient(exc) or self.load_failures > self.pool.shard_retries:
+            raise ActorStartError(f"a scorer actor failed to start ({self.load_failures} in a row): "
+                                  f"{first_line(exc)}\n{exc}") from exc
+        log.warning("a scorer actor failed to start (%d in a row), starting another: %s", self.load_failures,
+                    first_line(exc))
+
+    # -- waiting for resources
+
+    def _watch_wait(self, now: float, work_left: int) -> None:
+        placed = len(self.actors) - len(self.placing())
+        self.unplaced_since = None if placed or not work_left else (self.unplaced_since or now)
+        waiting = bool(work_left) and (bool(self.placing()) or not placed)
+        if not waiting:
+            self.waiting_since, self.next_log = None, float("inf")
+            return
+        if self.waiting_since is None:
+            self.waiting_since, self.next_log = now, now + self.pool.wait_log_every_s
+        if now >= self.next_log:
+            log.warning("%s", self.wait_text(now, work_left))
+            self.next_log = now + self.pool.wait_log_every_s
+        if self.unplaced_since is not None and now - self.unplaced_since > self.pool.wait_for_resources_s:
+            raise ResourcesUnavailableError(
+                f"no scorer actor could be placed for {now - self.unplaced_since:.0f} s "
+                f"(pool.wait_for_resources_s={self.pool.wait_for_resources_s:g}): {self._lacking()}; "
+                "the shards finished so far are kept, and a rerun resumes from them once the cluster has "
+                "room for one actor")
+
+    def wait_text(self, now: float, work_left: int) -> str:
+        """What the pool waits for, since when, in one line."""
+        placing = self.placing()
+        since = time.strftime("%H:%M:%S", time.localtime(time.time() - (now - self.waiting_since)))
+        placed = len(self.actors) - len(placing)
+        text = (f"waiting for resources since {since} ({now - self.waiting_since:.0f} s): "
+                f"{len(placing)} scorer actor{'s' * (len(placing) != 1)} not placed, {placed} placed, "
+                f"{work_left} shard{'s' * (work_left != 1)} left; {self._lacking()}")
+        if not placed:
+            text += f"; the job stops after pool.wait_for_resources_s={self.pool.wait_for_resources_s:g} s without one"
+        return text
+
+    def _lacking(self) -> str:
+        """Which resources are missing: what one actor asks, against what the alive nodes hold."""
+
+        asks = f"one actor asks for {_amounts(self.need)} (pool.num_gpus, pool.num_cpus, pool.resources)"
+        if not self.capacity:
+            return f"{asks} and no alive node has that much ({_have(self.nodes, self.need)})"
+        free = ray.available_resources()
+        return (f"{asks}; the alive nodes hold {self.capacity} such actor{'s' * (self.capacity != 1)}, but the "
+                f"cluster has {', '.join(f'{k}={free.get(k, 0.0):g}' for k in self.need)} free (others hold the rest)")
+
+    def status(self) -> str:
+        """A few words for the progress bar: how many actors score, load the teacher, wait for a place."""
+        counts = {state: sum(a.state == state for a in self.actors) for state in ("live", "loading", "placing")}
+        if not self.actors:
+            return f"waiting for resources ({_amounts(self.need)} per actor)"
+        words = {"live": "scoring", "loading": "loading the teacher", "placing": "waiting for resources"}
+        return "actors: " + ", ".join(f"{n} {words[state]}" for state, n in counts.items() if n)
+
+
+def run_shards(make_actor: Callable[[], object], specs: Sequence, pool: PoolConfig,
+               on_scored: Callable[[dict, PoolRun], None], on_failed: Callable[[dict, PoolRun], None],
+               on_status: Callable[[str], None] | None = None) -> PoolRun:
+    """Score ``specs`` (each with an ``index``) on a :class:`ScorerPool` of actors from ``make_actor``
+    (with ``describe()``, ``load()`` and ``score_shard(spec, attempt)``), one shard per live actor at
+    a time, with :class:`PoolConfig`'s fault policy. ``on_scored``/``on_failed`` are called on the
+    driver as each shard finishes or is given up, ``on_status`` with a few words when the pool's
+    state changes. The actors are killed on return or error; where those that started ran is in the
+    result's ``actors``."""
+
+    actors = ScorerPool(make_actor, pool)
     queue = deque(specs)
     tries: dict[int, int] = {}
-    running: dict = {}  # ObjectRef -> (actor slot, spec)
+    running: dict = {}  # ObjectRef -> (actor, spec)
     run = PoolRun()
+    status = None
     try:
         while queue or running:
-            while queue and idle:
-                slot, spec = idle.popleft(), queue.popleft()
+            actors.check(len(queue) + len(running))
+            while queue and actors.idle:
+                actor, spec = actors.idle.popleft(), queue.popleft()
                 tries[spec.index] = tries.get(spec.index, 0) + 1
-                running[actors[slot].score_shard.remote(spec, tries[spec.index])] = (slot, spec)
-            [ref], _ = ray.wait(list(running), num_returns=1)
-            slot, spec = running.pop(ref)
-            try:
-                entry = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-                    ray.kill(actors[slot], no_restart=True)
-                    actors[slot] = make_actor()  # a fresh one in its place
-                idle.append(slot)
-                n = tries[spec.index]
-                if is_transient(exc) and n <= pool.shard_retries:
-                    log.warning("shard %d failed (try %d of %d), trying again: %s", spec.index, n,
-                                pool.shard_retries + 1, first_line(exc))
-                    queue.append(spec)
-                    continue
-                failure = {"index": spec.index, "error": first_line(exc), "attempts": n}
-                run.failed.append(failure)
-                on_failed(failure, run)
-                if pool.on_bad_shard == "stop":
-                    raise ShardFailedError(
-                        f"shard {spec.index} failed after {n} tr{'y' if n == 1 else 'ies'} ({first_line(exc)}); "
-                        "the job stops (pool.on_bad_shard=skip leaves it out and goes on; a rerun scores it)\n"
-                        f"{exc}", run.failed) from exc
-                log.error("shard %d failed after %d tries and is skipped (listed in the manifest's failed; a rerun "
-                          "scores it again): %s", spec.index, n, first_line(exc))
+                running[actor.handle.score_shard.remote(spec, tries[spec.index])] = (actor, spec)
+            if on_status is not None and actors.status() != status:
+                status = actors.status()
+                on_status(status)
+            calls = [*running, *actors.starting_calls()]
+            if not calls:  # no actor yet: the nodes hold none
+                time.sleep(CHECK_EVERY_S)
                 continue
-            idle.append(slot)
-            run.scored.append(entry)
-            on_scored(entry, run)
-        run.actors = _described(described)
+            ready, _ = ray.wait(calls, num_returns=1, timeout=CHECK_EVERY_S)
+            for ref in ready:
+                if ref in running:
+                    _shard_done(ref, running, queue, tries, actors, pool, run, on_scored, on_failed)
+                else:
+                    actors.started_call(ref)
+        run.actors = actors.started
         return run
     finally:
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+        actors.close()
+
+
+def _shard_done(ref, running: dict, queue: deque, tries: dict, actors: ScorerPool, pool: PoolConfig, run: PoolRun,
+                on_scored, on_failed) -> None:
+    """A shard's call answered: record it, or try it again, or give it up (the fault policy)."""
+
+    actor, spec = running.pop(ref)
+    try:
+        entry = ray.get(ref)
+    except ray.exceptions.RayError as exc:
+        if isinstance(exc, ray.exceptions.RayActorError):  # dead or unreachable: never given work again
+            if actor in actors.actors:
+                actors.remove(actor)
+        elif actor in actors.actors:
+            actors.idle.append(actor)
+        n = tries[spec.index]
+        if is_transient(exc) and n <= pool.shard_retries:
+            log.warning("shard %d failed (try %d of %d), trying again: %s", spec.index, n,
+                        pool.shard_retries + 1, first_line(exc))
+            queue.append(spec)
+            return
+        failure = {"index": spec.index, "error": first_line(exc), "attempts": n}
+        run.failed.append(failure)
+        on_failed(failure, run)
+        if pool.on_bad_shard == "stop":
+            raise ShardFailedError(
+                f"shard {spec.index} failed after {n} tr{'y' if n == 1 else 'ies'} ({first_line(exc)}); "
+                "the job stops (pool.on_bad_shard=skip leaves it out and goes on; a rerun scores it)\n"
+                f"{exc}", run.failed) from exc
+        log.error("shard %d failed after %d tries and is skipped (listed in the manifest's failed; a rerun "
+                  "scores it again): %s", spec.index, n, first_line(exc))
+        return
+    if actor in actors.actors:
+        actors.idle.append(actor)
+    run.scored.append(entry)
+    on_scored(entry, run)

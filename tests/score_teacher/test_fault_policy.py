@@ -55,13 +55,12 @@ def _markers(out: Path) -> dict[int, dict]:
 def test_transient_faults_are_retried_and_the_dataset_is_unchanged(micro_teacher, micro_corpus, micro_scored,
                                                                     ray_local, tmp_path, monkeypatch):
     """CUDA out of memory twice on shard 1, a read error on shard 3, the actor's process exiting on
-    shard 2 with Ray's own restarts switched off: each shard is tried again (a fresh actor replaces
-    the dead one) and the dataset equals the uninterrupted one byte for byte."""
+    shard 2 (Ray's own restarts are off): each shard is tried again (a fresh actor replaces the dead
+    one) and the dataset equals the uninterrupted one byte for byte."""
     counters = tmp_path / "tries"
     _inject(monkeypatch, counters, s1=("oom", 2), s2=("die", 1), s3=("read", 1))
     out = tmp_path / "ds"
-    summary = run_score_job(_config(micro_teacher, micro_corpus, out, shard_retries=2, max_restarts=0,
-                                    max_task_retries=0))
+    summary = run_score_job(_config(micro_teacher, micro_corpus, out, shard_retries=2))
     assert summary.complete and summary.shards_scored == 4 and summary.failed == []
     assert [_tries(counters, i) for i in range(4)] == [0, 3, 2, 2]
     assert {i: m["scored_by"]["attempt"] for i, m in _markers(out).items()} == {0: 1, 1: 3, 2: 2, 3: 2}
