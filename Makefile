@@ -15,8 +15,13 @@ TORCH_INDEX ?=
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
+.DEFAULT_GOAL := help
 
-.PHONY: setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean
+.PHONY: help setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean
+
+help:  ## every target, one line each
+	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo '  ARGS="key=value ..." passes settings to a target; docs/configuration.md lists them'
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,42 +30,42 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed  ## the environment: .venv with torch and the project (make does it for every target)
 
-score-teacher: setup
+score-teacher: setup  ## stage 1: score a corpus with the teacher (embedded default: ~5-6 min the first time)
 	$(PY) -m stages.score_teacher $(ARGS)
 
 # A safetensors copy of a teacher that ships only .bin weights (then teacher.model=<printed folder>)
-convert-teacher: setup
+convert-teacher: setup  ## a safetensors copy of a teacher that ships only .bin weights
 	$(PY) -m stages.convert_teacher $(ARGS)
 
-train-student: setup
+train-student: setup  ## stage 2: train a student with the teacher-guided loss (~2-3 min on the default)
 	$(PY) -m stages.train_student $(ARGS)
 
-inspect: setup
+inspect: setup  ## look into a scored dataset (ARGS="command=summary|validate|html|plots|card|... path=...")
 	$(PY) -m stages.inspect $(ARGS)
 
-validate: setup
+validate: setup  ## check every contract invariant of a scored dataset (exit 1 on an error)
 	$(PY) -m stages.inspect command=validate $(ARGS)
 
-vocab-overlap: setup
+vocab-overlap: setup  ## vocabulary overlap of a teacher and a student tokenizer
 	$(PY) -m stages.inspect command=vocab-overlap $(ARGS)
 
-align-report: setup
+align-report: setup  ## how well a student tokenizer aligns to a scored dataset
 	$(PY) -m stages.inspect command=align-report $(ARGS)
 
-test: setup
+test: setup  ## the default test suite (what CI runs; ~10-12 min on 2 cores)
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: setup
+test-slow: setup  ## the slow tests (faults, clusters, memory, from-nothing repro)
 	$(PY) -m pytest -q -m slow
 
 # Break the core on purpose (mutation/mutants.toml) and check the default suite notices:
 # mutation-results/latest.md. ARGS="only=[W1,T1]" for some mutants, ARGS="check=true" to check the table.
-mutation: setup
+mutation: setup  ## break the core on purpose and check the suite notices (mutation-results/)
 	$(PY) -m mutation $(ARGS)
 
-bench: setup
+bench: setup  ## performance ratios measured side by side (bench-results/latest.*; ARGS="quick=true")
 	$(PY) -m benchmarks $(ARGS)
 
 # The GPU paths at full scale (7B teacher scoring, 1.1B training step, data pipeline per core):
@@ -70,26 +75,26 @@ bench: setup
 # .gpu-wheels hydra-core); run it with a vLLM environment's Python (GPU_PYTHON=/path/to/vllm-env/bin/python)
 # to add the vLLM backend. ARGS="smoke=true": tiny shapes on CPU; ARGS="skip=[vllm,data]": some parts only.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
-gpu-bench:
+gpu-bench:  ## the GPU paths at full scale (bench-results/gpu-latest.*; ARGS="smoke=true" on CPU)
 	$(GPU_PYTHON) -m benchmarks.gpu $(ARGS)
 
 # Wheels of Hydra, OmegaConf and ANTLR's runtime (pure Python, the versions in $(VENV)) for a GPU
 # machine that lacks them: .gpu-wheels/ (see benchmarks/gpu.py)
 GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime
-gpu-bench-wheels: setup
+gpu-bench-wheels: setup  ## Hydra's wheels for a GPU machine without them (.gpu-wheels/)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir .gpu-wheels $$($(PY) -c 'import sys, importlib.metadata as m; print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))' $(GPU_WHEELS))
 
 # Few-shot chain-of-thought math accuracy of a checkpoint; results side by side
-eval-student: setup
+eval-student: setup  ## a checkpoint's accuracy on math tasks and held-out bits per byte
 	$(PY) -m stages.eval_student $(ARGS)
 
-compare: setup
+compare: setup  ## evaluation results side by side
 	$(PY) -m stages.compare_evals $(ARGS)
 
 # The paper's claims at toy scale (stage 1 + stage 2 + evaluation; design in conf/repro.yaml):
 # repro-results/report.md, the claims table alone in repro-results/summary.md
-repro: setup
+repro: setup  ## the paper's claims at toy scale (repro-results/; ~50 min on 2 cores)
 	$(PY) -m repro $(ARGS)
 
-clean:
+clean:  ## remove outputs/ (scored data, runs, logs) and pytest's cache
 	rm -rf outputs .pytest_cache
