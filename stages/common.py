@@ -35,6 +35,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
+from rich.table import Table
 
 from pipeline.config import ConfigError, UserError, build, nearest, raise_if  # noqa: F401  (entry points import them from here)
 from storage_schemas import ContractError, dataset_dir
@@ -121,6 +123,30 @@ def exit_on_user_error(fn):
             sys.exit(INTERRUPTED[signum])
 
     return wrapper
+
+
+def python_command() -> str:
+    """This interpreter as a user types it in the project folder (``.venv/bin/python``), so a
+    printed command runs with the project's packages."""
+    exe = Path(sys.executable)
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
+
+
+def show_summary(title: str, rows: list[tuple[str, str]], lines: list[tuple[str, str]],
+                 console: Console | None = None) -> None:
+    """A stage's end summary: short facts in a table, then paths and commands one per line,
+    whole (never cut or wrapped by the terminal's width), so they can be copied as they are."""
+    console = console or Console()
+    table = Table(title=title, show_header=False, title_justify="left")
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+    for label, text in lines:
+        console.print(f"{label}:", markup=False, highlight=False)
+        console.print(f"  {text}", markup=False, highlight=False, soft_wrap=True)
 
 
 def quiet_libraries() -> None:

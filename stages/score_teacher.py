@@ -17,7 +17,6 @@ import hydra
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 from rich.console import Console
-from rich.table import Table
 
 from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
 from pipeline.embedded.tiny_teacher import TinyTeacherSpec
@@ -29,7 +28,7 @@ from pipeline.score_teacher.job import (
     run_score_job,
     score_job_config,
 )
-from stages.common import ConfigError, entry_point, plain, quiet_libraries
+from stages.common import ConfigError, entry_point, plain, python_command, quiet_libraries, show_summary
 from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas.filesystem import join
 
@@ -56,11 +55,10 @@ def build_embedded(cfg: DictConfig) -> None:
             raise ConfigError(f"teacher.model {cfg.teacher.model} is not where the tiny teacher is built ({built})")
 
 
-def print_summary(s: JobSummary) -> None:
-    table = Table(title="score-teacher", show_header=False, title_justify="left")
+def print_summary(s: JobSummary, console: Console | None = None) -> None:
     status = "complete" if s.complete else f"partial: {s.shards_complete}/{s.shards_planned} shards"
     rows = [
-        ("dataset", f"{s.output_dir} ({status})"),
+        ("dataset", status),
         ("shards", f"{s.shards_scored} scored now, {s.shards_done_before} already done, {s.shards_planned} planned"),
         ("actors", ", ".join(f"{a['hostname']} ({a['node_ip']})" for a in s.actors) or "none this run"),
         ("documents", f"{s.documents:,} stored ({s.documents_this_run:,} this run)"),
@@ -76,19 +74,18 @@ def print_summary(s: JobSummary) -> None:
     if s.failed:
         rows.append(("failed, skipped", "; ".join(f"shard {f['index']} after {f['attempts']} tries: {f['error']}"
                                                   for f in s.failed) + " (rerun the same command to score them)"))
-    for k, v in rows:
-        table.add_row(k, v)
-    console = Console()
-    console.print(table)
-    console.print("Look at it with Polars (per-document token count and mean teacher loss):")
     glob = join(s.output_dir, "shard-*.parquet")  # a local path or an s3:// / gs:// URI
     one_liner = (
-        "python -c \"import polars as pl; print(pl.scan_parquet('" + glob + "')"
+        python_command() + " -c \"import polars as pl; print(pl.scan_parquet('" + glob + "')"
         ".select('doc_id', pl.col('token_ids').list.len().alias('tokens'), "
         "pl.col('losses').list.eval(pl.element().fill_nan(None)).list.mean().alias('mean_loss'))"
         ".sort('mean_loss').collect())\""
     )
-    console.print(one_liner, markup=False, highlight=False, soft_wrap=True)
+    show_summary("score-teacher", rows, [
+        ("the scored dataset", str(s.output_dir)),
+        ("look at it with Polars (per-document token count and mean teacher loss)", one_liner),
+        ("or in the terminal", f"make inspect ARGS=\"path={s.output_dir}\""),
+    ], console)
 
 
 @entry_point("score_teacher", config_defaults(), check=job_config)

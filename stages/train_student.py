@@ -19,7 +19,6 @@ from filelock import FileLock
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 from rich.console import Console
-from rich.table import Table
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
 from pipeline.train_student.run import (
@@ -29,7 +28,7 @@ from pipeline.train_student.run import (
     run_training,
     train_job_config,
 )
-from stages.common import ConfigError, entry_point, plain, quiet_libraries
+from stages.common import ConfigError, entry_point, plain, quiet_libraries, show_summary
 from storage_schemas import write_json_atomic
 
 log = logging.getLogger("train_student")
@@ -56,12 +55,11 @@ def build_embedded(cfg: DictConfig) -> None:
         raise ConfigError(f"student.model {cfg.student.model} is not where the tiny student is built ({built})")
 
 
-def print_summary(s: TrainSummary) -> None:
+def print_summary(s: TrainSummary, console: Console | None = None) -> None:
     d, last = s.data, s.last_log
     skipped = d["shards_skipped"]
     rows = [
-        ("run", s.output_dir + (f" (resumed from {Path(s.resumed_from).name})" if s.resumed_from else "")),
-        ("final model", f"{s.final_model}  (AutoModelForCausalLM.from_pretrained)"),
+        ("run", f"resumed from {Path(s.resumed_from).name}" if s.resumed_from else "from the start"),
         ("data", f"teacher {d['teacher']}: {d['shards_used']} shards, {d['n_documents']:,} documents, "
                  f"{d['n_tokens']:,} student tokens, {d['n_samples']:,} samples of {d['seq_len']}"),
         ("skipped", f"{len(skipped)} shard(s): " + ", ".join(Path(b['file']).name for b in skipped) if skipped
@@ -75,13 +73,12 @@ def print_summary(s: TrainSummary) -> None:
     if last:
         rows.append(("last log", ", ".join(f"{k} {last[k]:.4g}" for k in (
             "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "excess_loss", "learning_rate") if k in last)))
-    table = Table(title="train-student", show_header=False, title_justify="left")
-    for k, v in rows:
-        table.add_row(k, v)
-    console = Console()
-    console.print(table)
-    console.print(f"Metrics: {Path(s.output_dir) / 'metrics.jsonl'}; "
-                  f"TensorBoard: tensorboard --logdir {Path(s.output_dir) / 'runs'}", markup=False, highlight=False)
+    show_summary("train-student", rows, [
+        ("the run folder", str(s.output_dir)),
+        ("the final model (AutoModelForCausalLM.from_pretrained)", str(s.final_model)),
+        ("metrics, one JSON line per log", str(Path(s.output_dir) / "metrics.jsonl")),
+        ("TensorBoard", f"tensorboard --logdir {Path(s.output_dir) / 'runs'}"),
+    ], console)
 
 
 @entry_point("train_student", config_defaults(), check=job_config)

@@ -13,6 +13,7 @@ The package needs pyarrow and NumPy only; Polars is imported where a Polars fram
 from storage_schemas.identity import (  # noqa: F401
     IDENTITY_FORMAT,
     data_identity_differences,
+    describe_teacher,
     iter_identity_differences,
     shard_identity_differences,
 )

@@ -26,6 +26,18 @@ def iter_identity_differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix
             yield f"{name}: {va!r} != {vb!r}"
 
 
+def describe_teacher(teacher: Mapping[str, Any]) -> str:
+    """One line for people: the teacher's name, where it comes from (hub id and revision, or a
+    local model by the start of its weights' digest), its dtype and BOS."""
+    if teacher.get("source") == "hub":
+        where = f"{teacher.get('model')} @ {teacher.get('revision') or 'main'}"
+    else:
+        weights = str(teacher.get("weights_sha256") or teacher.get("files_sha256") or "?")
+        where = f"local model, weights sha256 {weights[:12]}"
+    bos = f"BOS id {teacher['bos_id']}" if teacher.get("bos_id") is not None else "no BOS"
+    return f"{teacher.get('name', '?')} ({where}; {teacher.get('dtype', '?')}, {bos})"
+
+
 def shard_identity_differences(shard_identity: Mapping[str, Any], manifest: Mapping[str, Any]) -> list[str]:
     """How a shard's identity differs from its folder's (none: it belongs there)."""
     return list(iter_identity_differences(shard_identity, manifest.get("identity") or {}))

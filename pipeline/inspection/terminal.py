@@ -13,6 +13,7 @@ from pipeline.inspection.pieces import LossScale, cut_pieces
 from pipeline.inspection.summary import DatasetSummary
 from pipeline.inspection.validate import ValidationReport
 from pipeline.inspection.vocab_overlap import VocabOverlap
+from storage_schemas import describe_teacher
 from storage_schemas.reader import DocumentRecord
 
 
@@ -54,7 +55,7 @@ def summary_renderables(s: DatasetSummary) -> list:
     q = s.quantiles
     overview = _key_value_table(escape(f"scored dataset {s.name}"), [
         ("folder", f"{s.folder} ({status})"),
-        ("teacher", f"{s.teacher.get('model', '?')} ({s.teacher.get('dtype', '?')}, BOS id {s.teacher.get('bos_id')})"),
+        ("teacher", describe_teacher(s.teacher)),
         ("documents", f"{s.documents:,} stored ({s.empty_documents:,} with zero tokens)"),
         ("teacher tokens", f"{s.tokens:,}"),
         ("bytes on disk", f"{s.bytes_on_disk:,} ({_size(s.bytes_on_disk)}; {s.bytes_per_token:.2f} bytes per teacher token)"),

@@ -236,8 +236,6 @@ class JobSummary:
         return self.tokens_this_run / self.seconds if self.seconds > 0 else 0.0
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Preparation (no Ray)
 

@@ -220,3 +220,14 @@ def test_training_resumes_after_the_project_folder_moves(micro_scored, micro_tea
     flip_last_byte(new / "student" / "model.safetensors")  # another student, at the same place
     with pytest.raises(RunMismatchError, match=r"student weights_sha256"):
         run_training(job(new))
+
+
+def test_describe_teacher_names_hub_and_local_teachers():
+    from storage_schemas import describe_teacher
+
+    hub = {"name": "qwen", "source": "hub", "model": "Qwen/Qwen2.5-Math-7B-Instruct", "revision": None,
+           "dtype": "bfloat16", "bos_id": None}
+    assert describe_teacher(hub) == "qwen (Qwen/Qwen2.5-Math-7B-Instruct @ main; bfloat16, no BOS)"
+    local = {"name": "tiny", "source": "local", "model": None, "weights_sha256": "0123456789abcdef" * 4,
+             "dtype": "float32", "bos_id": 1}
+    assert describe_teacher(local) == "tiny (local model, weights sha256 0123456789ab; float32, BOS id 1)"

@@ -41,6 +41,7 @@ def test_summary_writes_json_and_colours_one_document(micro_scored, tmp_path):
     assert saved["documents"] == json.loads((micro_scored / "manifest.json").read_text())["totals"]["documents"]
     assert saved["quantiles"]["0.5"] is not None and isinstance(saved["per_shard"], list)
     assert "per shard" in text and "highest mean loss" in text and "teacher loss (nats)" in text
+    assert "micro (local model, weights sha256 " in text, "the teacher by its name, not None"
     assert "\x1b[" in console.export_text(styles=True)  # the document is coloured in a terminal
 
 
