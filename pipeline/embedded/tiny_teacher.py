@@ -39,9 +39,11 @@ from tokenizers import (
 )
 from transformers import (
     PreTrainedTokenizerFast,
+    PrinterCallback,
     Qwen2Config,
     Qwen2ForCausalLM,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     default_data_collator,
 )
@@ -139,7 +141,6 @@ def build_tiny_teacher(
     if stamp_path.is_file() and json.loads(stamp_path.read_text()).get("params") == params:
         return out_dir
 
-    log.info("building the tiny teacher in %s (once; later runs reuse it)", out_dir)
     t0 = time.perf_counter()
     texts = list(train_texts)[: spec.max_train_docs] if spec.max_train_docs else list(train_texts)
     random.Random(spec.seed).shuffle(texts)
@@ -158,6 +159,9 @@ def build_tiny_teacher(
         pad_token_id=tokenizer.eos_token_id,
     )
     model = Qwen2ForCausalLM(config)
+    log.info("building the tiny teacher (once: later runs reuse it): a %.1fM-parameter Qwen2 model trained "
+             "for %d steps on %d documents of the sample corpus, about a minute on two CPU cores; into %s",
+             sum(p.numel() for p in model.parameters()) / 1e6, spec.steps, len(texts), out_dir)
     eval_blocks = {k: pack_blocks(tokenizer, v, spec.block)[:32] for k, v in (eval_texts or {}).items()}
     before = {k: _mean_loss(model, b) for k, b in eval_blocks.items()}
 
@@ -165,7 +169,7 @@ def build_tiny_teacher(
 
     def write(work: Path) -> None:
         train_out = fit_blocks(model, blocks, work / "trainer", steps=spec.steps, batch_size=spec.batch_size,
-                               learning_rate=spec.learning_rate, seed=spec.seed)
+                               learning_rate=spec.learning_rate, seed=spec.seed, what="tiny teacher")
         after = {k: _mean_loss(model, b) for k, b in eval_blocks.items()}
         model.save_pretrained(work, safe_serialization=True)
         tokenizer.save_pretrained(work)
@@ -186,10 +190,23 @@ def build_tiny_teacher(
     return out_dir
 
 
+class ProgressLog(TrainerCallback):
+    """One log line per Trainer log (step, steps, loss) in place of the Trainer's printed dicts."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            log.info("%s: step %d of %d, training loss %.3f", self.what, state.global_step, state.max_steps,
+                     float(logs["loss"]))
+
+
 def fit_blocks(model, blocks: list[list[int]], work_dir: str | os.PathLike, *, steps: int, batch_size: int,
-               learning_rate: float, seed: int):
+               learning_rate: float, seed: int, what: str = "training"):
     """Train a causal LM on fixed-length token blocks with the HF Trainer on the CPU, deterministically
-    (cosine schedule, 5% warmup, no checkpoints); returns the Trainer's ``TrainOutput``."""
+    (cosine schedule, 5% warmup, no checkpoints); returns the Trainer's ``TrainOutput``. Progress is
+    logged as ``<what>: step k of n`` lines."""
 
     dataset = [{"input_ids": b, "labels": b} for b in blocks]
     args = TrainingArguments(
@@ -209,5 +226,7 @@ def fit_blocks(model, blocks: list[list[int]], work_dir: str | os.PathLike, *, s
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
+                      callbacks=[ProgressLog(what)])
+    trainer.remove_callback(PrinterCallback)
     return trainer.train()

@@ -6,8 +6,13 @@ from conftest import build_micro_teacher
 from storage_schemas import file_sha256
 
 
-def test_tiny_teacher_build_is_deterministic_and_cached(micro_corpus, micro_teacher, tmp_path):
-    again = build_micro_teacher(micro_corpus, tmp_path / "again")
+def test_tiny_teacher_build_is_deterministic_and_cached(micro_corpus, micro_teacher, tmp_path, caplog, capfd):
+    with caplog.at_level("INFO", logger="pipeline.embedded.tiny_teacher"):
+        again = build_micro_teacher(micro_corpus, tmp_path / "again")
+    said = caplog.text
+    assert "building the tiny teacher (once: later runs reuse it)" in said and "about a minute" in said
+    assert "tiny teacher: step 30 of 30, training loss" in said, "progress in words"
+    assert "{'loss'" not in capfd.readouterr().out, "no Trainer dicts scroll by"
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert file_sha256(again / name) == file_sha256(micro_teacher / name), f"{name} differs between builds"
     mtime = (again / "model.safetensors").stat().st_mtime_ns
