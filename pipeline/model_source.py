@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +38,27 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 class TeacherSourceError(UserError, RuntimeError):
-    """The teacher's files cannot be had as configured; the message is one line."""
+    """A model's or tokenizer's files cannot be had as configured; the message is one line."""
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """A tokenizer named by a setting (``student=``, ``teacher=`` ...), as :func:`check_tokenizer_source` checks it."""
+
+    setting: str  # the setting that names it, e.g. "student"
+    model: str  # a hub id (local files are loaded as they are)
+    revision: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.setting
+
+
+def check_tokenizer_source(setting: str, source: str, revision: str | None = None,
+                           timeout_s: float = HUB_TIMEOUT_S) -> None:
+    """Raise :class:`TeacherSourceError` (one line, within ``timeout_s``) unless the tokenizer of
+    hub id ``source`` is in the Hugging Face cache or on a reachable hub; local paths pass."""
+    _list_files(TokenizerSource(setting, source, revision), "model", timeout_s, need_weights=False)
 
 
 def check_teacher_source(teacher, timeout_s: float = HUB_TIMEOUT_S) -> None:
@@ -53,11 +74,15 @@ def check_teacher_source(teacher, timeout_s: float = HUB_TIMEOUT_S) -> None:
         _list_files(teacher, "tokenizer", timeout_s, need_weights=False)
 
 
-def _error(teacher, problem: str, ways_out: bool = True) -> TeacherSourceError:
-    text = f"teacher {teacher.name!r} ({teacher.model}): {problem}"
+def _error(source, problem: str, ways_out: bool = True) -> TeacherSourceError:
+    """One line naming the model or tokenizer (``source``: a TeacherConfig or TokenizerSource)."""
+    if isinstance(source, TokenizerSource):
+        text, local = f"{source.setting} ({source.model}): {problem}", f"{source.setting}=/path/to/tokenizer"
+    else:
+        text, local = f"teacher {source.name!r} ({source.model}): {problem}", "teacher.model=/path/to/folder"
     if ways_out:
-        text += (f"; ways out: a local checkpoint folder (teacher.model=/path/to/folder), or the Hugging Face "
-                 f"cache (download once where there is network: hf download {teacher.model}; "
+        text += (f"; ways out: a local folder or file ({local}), or the Hugging Face "
+                 f"cache (download once where there is network: hf download {source.model}; "
                  f"then run with the same HF_HOME, HF_HUB_OFFLINE=1 works)")
     return TeacherSourceError(text)
 
@@ -83,7 +108,8 @@ def _list_files(teacher, key: str, timeout_s: float, need_weights: bool) -> set[
     if path.is_file():
         return None
     if looks_local(ref):
-        raise TeacherSourceError(f"teacher.{key}: no such local file or folder: {ref}")
+        where = teacher.setting if isinstance(teacher, TokenizerSource) else f"teacher.{key}"
+        raise TeacherSourceError(f"{where}: no such local file or folder: {ref}")
     cached = _cached_files(teacher, ref)
     if cached and (not need_weights or _weight_files(cached)):
         return cached

@@ -55,6 +55,7 @@ from pipeline.inspection.two_teachers import renderables, two_teachers
 from pipeline.inspection.validate import validate_dataset
 from pipeline.inspection.vocab_overlap import load_vocabulary, vocab_overlap
 from pipeline.loss_histogram import DEFAULT_BIN_WIDTH
+from pipeline.model_source import check_tokenizer_source
 from pipeline.tokenization import encode, load_tokenizer
 from storage_schemas import ContractError, filesystem, read_manifest, strict_json
 from storage_schemas import filesystem as sfs
@@ -199,10 +200,13 @@ def tokenizer_slug(source: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "tokenizer"
 
 
-def _local(source: str | None, resolve: Resolve = Path) -> str | None:
-    """A tokenizer source made absolute when it names a local file or folder (hub ids untouched)."""
+def _local(source: str | None, resolve: Resolve = Path, setting: str = "tokenizer") -> str | None:
+    """A tokenizer source made absolute when it names a local file or folder; a hub id is checked
+    at once (cache, then one short hub request): one line naming ``setting`` if it cannot be had."""
     if source and Path(resolve(source)).exists():
         return str(Path(resolve(source)).resolve())
+    if source:
+        check_tokenizer_source(setting, source)
     return source
 
 
@@ -258,7 +262,7 @@ class Context:
         return LossScale.from_quantile_function(self.summary().histogram.quantile)
 
     def student_tokenizer(self):
-        return load_tokenizer(_local(self.cfg.student, self.resolve))
+        return load_tokenizer(_local(self.cfg.student, self.resolve, "student"))
 
     def align_report(self, tokenizer, write: bool):
         a = self.cfg.align
@@ -318,8 +322,8 @@ def cmd_validate(ctx: Context) -> int:
 
 
 def cmd_vocab_overlap(ctx: Context) -> int:
-    teacher = _local(ctx.cfg.teacher, ctx.resolve) or ctx.dataset.teacher_tokenizer
-    student = _local(ctx.cfg.student, ctx.resolve)
+    teacher = _local(ctx.cfg.teacher or ctx.dataset.teacher_tokenizer, ctx.resolve, "teacher")
+    student = _local(ctx.cfg.student, ctx.resolve, "student")
     overlap = vocab_overlap(load_vocabulary(teacher), load_vocabulary(student))
     ctx.console.print(terminal.overlap_table(overlap))
     for key, values in overlap.examples.items():

@@ -199,3 +199,25 @@ def test_normalisation_is_what_makes_byte_level_and_sentencepiece_meet(vocabular
     same = vocab_overlap(vocabulary(STUDENT), vocabulary(STUDENT))
     assert same.raw.iou == same.normalised.iou == 1.0
     assert any(re.match(r"^ \w", s) for s in qwen_llama.examples["shared_longest"])
+
+
+def test_hub_tokenizers_that_cannot_be_had_end_in_one_line_at_once(tmp_path):
+    """Offline, a hub id not in the cache: one line naming the setting and the ways out, exit 2,
+    in seconds (no retries inside transformers)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "stages.inspect", "command=vocab-overlap", "teacher=org/no-such-model",
+                          "student=org/another", f"out_dir={tmp_path}", f"hydra.run.dir={tmp_path}/logs"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: teacher (org/no-such-model): ") and "HF_HUB_OFFLINE" in lines[0]
+    assert time.monotonic() - t0 < 60
