@@ -113,8 +113,13 @@ def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: di
                                "process died while saving it). Resume from an earlier checkpoint.")
     problems = _resume_differences(recipe, identity, Path(checkpoint), student)
     if problems:
+        budget_only = all(p.startswith(("recipe train.max_steps:", "recipe train.max_tokens:")) for p in problems)
+        way_on = (
+            f"\nTo train further, start a new run from this one's model: student.model={Path(checkpoint).parent / 'final'}"
+            " student.embedded=false output_dir=<a new folder> (the learning-rate schedule starts again; "
+            "docs/configuration.md, \"Resuming, and training longer\")." if budget_only else "")
         raise RunMismatchError(
-            f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems)
+            f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems) + way_on
             + "\nUse another run name, or overwrite=true to start this run afresh."
         )
     return str(checkpoint)

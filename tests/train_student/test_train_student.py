@@ -13,8 +13,8 @@ import pytest
 from transformers import TrainerCallback
 
 from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
-from pipeline.train_student.data import AlignmentConfig
-from pipeline.train_student.guided_loss import SelectionConfig
+from pipeline.student_side import AlignmentConfig
+from pipeline.guided_loss import SelectionConfig
 from pipeline.train_student.run import (
     DataConfig,
     RunMismatchError,
@@ -124,8 +124,13 @@ def test_resumed_run_sees_the_same_batches_and_losses(tiny_student, micro_scored
 def test_resume_is_refused_when_the_recipe_or_the_data_change(tiny_student, micro_scored, tmp_path):
     job = make_job(tiny_student, micro_scored, tmp_path / "run", steps=2)
     run_training(job)
-    with pytest.raises(RunMismatchError, match="recipe loss.ratio: 0.4 != 0.3"):
+    with pytest.raises(RunMismatchError, match="recipe loss.ratio: 0.4 != 0.3") as refused:
         run_training(replace(job, selection=replace(job.selection, ratio=0.3)))
+    assert "To train further" not in str(refused.value)
+    with pytest.raises(RunMismatchError, match="recipe train.max_steps: 2 != 3") as longer:
+        run_training(replace(job, train=replace(job.train, max_steps=3)))
+    assert f"To train further, start a new run from this one's model: student.model={tmp_path / 'run' / 'final'}" \
+        in str(longer.value), "a longer run is told the way on"
     with pytest.raises(RunMismatchError, match="data packing.seed"):
         run_training(replace(job, data=replace(job.data, seed=5)))
     with pytest.raises(RunMismatchError, match="resume=never"):
