@@ -262,7 +262,7 @@ class _BareForward:
         from pipeline.score_teacher.teacher import classify
         from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
         from pipeline.tokenization import bos_token_id, encode_batch, load_tokenizer
-        from pipeline.score_teacher.windows import plan_windows
+        from pipeline.windows import plan_windows
 
         self.cfg = cfg
         corpus_cfg = CorpusConfig(name="bench", files=[str(f) for f in corpus], rows_per_shard=cfg.rows_per_shard)

@@ -25,6 +25,11 @@ Commands (``command=``):
 * ``two-teachers``, ``path=<dataset> other=<dataset> student=S``: the same corpus scored by two
   teachers, aligned to one student: correlation of the aligned losses and the share of tokens where
   the teachers' top-``two_teachers.ratio`` selections disagree (:mod:`pipeline.inspection.two_teachers`).
+* ``compare``, ``path=<dataset> other=<dataset>``: the same corpus scored twice (another backend,
+  dtype, storage or cluster): documents, ids and offsets must be equal; losses compared per token
+  (max / p99 / mean |difference|, the share of tokens whose top-``compare.ratio`` selection flips),
+  tokens scored with another left context counted apart; exit status 1 past ``compare.max_abs`` /
+  ``compare.flip_share`` (:mod:`pipeline.inspection.parity`).
 
 Outputs go to ``out_dir`` (default ``<dataset>/inspect``; for a dataset on an object store the
 local ``outputs/inspect/<scheme>/<bucket>/<key>``; ``outputs/inspect/vocab-overlap`` for an overlap
@@ -49,6 +54,7 @@ from pipeline.dataset_card import write_card
 from pipeline.inspection import plots, terminal
 from pipeline.inspection.align_report import align_record, align_report
 from pipeline.inspection.html import StudentView, document_section, page
+from pipeline.inspection.parity import compare_folders
 from pipeline.inspection.pieces import LossScale
 from pipeline.inspection.summary import DEFAULT_QUANTILES, summarize
 from pipeline.inspection.two_teachers import renderables, two_teachers
@@ -66,7 +72,7 @@ Resolve = Callable[[str], "str | Path"]  # makes a user's relative path absolute
 INSPECT_DIR = "inspect"  # default output folder inside the dataset folder
 REMOTE_OUT_ROOT = "outputs/inspect"  # default output root for a dataset on an object store
 OVERLAP_OUT_DIR = "outputs/inspect/vocab-overlap"  # vocab-overlap without a dataset
-NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots", "card", "two-teachers")
+NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots", "card", "two-teachers", "compare")
 NEEDS_STUDENT = ("vocab-overlap", "align-report", "two-teachers")
 
 
@@ -149,12 +155,28 @@ class TwoTeachersSettings:
 
 
 @dataclass(frozen=True)
+class CompareSettings:
+    ratio: float = 0.4  # the share a flat student selects per document, whose flips are counted
+    limit_docs: int | None = None  # documents compared (None: all of them)
+    max_abs: float | None = None  # exit 1 when a same-context token's |loss difference| exceeds this (nats)
+    flip_share: float | None = None  # exit 1 when more same-context tokens flip than this share
+
+    def problems(self) -> list[str]:
+        found = [] if 0.0 < self.ratio <= 1.0 else [f"ratio: {self.ratio} is not in (0, 1]"]
+        check_at_least(found, "limit_docs", self.limit_docs, 1)
+        for key in ("max_abs", "flip_share"):
+            if getattr(self, key) is not None and getattr(self, key) < 0:
+                found.append(f"{key}: {getattr(self, key)} must be >= 0")
+        return found
+
+
+@dataclass(frozen=True)
 class InspectConfig:
     """``make inspect``'s settings (``conf/inspect/inspect.yaml`` overrides them)."""
 
     command: str = "summary"
     path: str | None = None  # the scored dataset folder (manifest.json + shard-NNNNNN.parquet)
-    other: str | None = None  # two-teachers: the same corpus scored by a second teacher
+    other: str | None = None  # two-teachers, compare: the same corpus scored again (another teacher, backend, dtype)
     out_dir: str | None = None  # None: <path>/inspect (vocab-overlap without a path: outputs/inspect/vocab-overlap)
     teacher: str | None = None  # vocab-overlap: hub id, folder, .gguf or SentencePiece .model; None: the dataset's
     student: str | None = None  # the student tokenizer (same forms)
@@ -165,6 +187,7 @@ class InspectConfig:
     align: AlignSettings = field(default_factory=AlignSettings)
     html: HtmlSettings = field(default_factory=HtmlSettings)
     two_teachers: TwoTeachersSettings = field(default_factory=TwoTeachersSettings)
+    compare: CompareSettings = field(default_factory=CompareSettings)
 
     def problems(self) -> list[str]:
         """What the settings of one command need of the others."""
@@ -176,8 +199,8 @@ class InspectConfig:
             problems.append(f"student: command={self.command} needs student=<tokenizer>")
         if self.command == "vocab-overlap" and not (self.teacher or self.path):
             problems.append("teacher: command=vocab-overlap needs teacher=<tokenizer> (or path=<dataset> to use its teacher's)")
-        if self.command == "two-teachers" and not self.other:
-            problems.append("other: command=two-teachers needs other=<the second teacher's scored dataset folder>")
+        if self.command in ("two-teachers", "compare") and not self.other:
+            problems.append(f"other: command={self.command} needs other=<the second scored dataset folder>")
         return problems
 
 
@@ -414,6 +437,29 @@ def cmd_two_teachers(ctx: Context) -> int:
     return 0
 
 
+def cmd_compare(ctx: Context) -> int:
+    """Exit status 1 when the folders hold other documents, ids or offsets, or the same-context
+    losses differ past the tolerance given."""
+    other = ScoredDataset.open(_dataset_location(ctx.cfg.other, ctx.resolve))
+    c = ctx.cfg.compare
+    parity = compare_folders(ctx.dataset, other, ratio=c.ratio, limit_docs=c.limit_docs)
+    same = parity.same_context.to_dict()
+    over = []
+    if parity.n_mismatched:
+        over.append(f"{parity.n_mismatched} document(s) differ in their text, token ids or offsets")
+    if c.max_abs is not None and parity.same_context.compared and same["max_abs"] > c.max_abs:
+        over.append(f"max |loss difference| {same['max_abs']:.3g} > compare.max_abs={c.max_abs:g}")
+    if c.flip_share is not None and same["flip_share"] > c.flip_share:
+        over.append(f"flip share {same['flip_share']:.3g} > compare.flip_share={c.flip_share:g}")
+    if parity.same_context.nan_mismatch and c.max_abs is not None:
+        over.append(f"{parity.same_context.nan_mismatch} token(s) NaN in one folder only")
+    for item in terminal.parity_renderables(parity, over):
+        ctx.console.print(item)
+    write_json(ctx.out_dir / "compare" / f"{tokenizer_slug(str(other.folders[0].path))}.json",
+               {**parity.to_dict(), "over_tolerance": over}, ctx.console)
+    return 1 if over else 0
+
+
 COMMANDS: dict[str, Callable[[Context], int]] = {
     "summary": cmd_summary,
     "validate": cmd_validate,
@@ -423,6 +469,7 @@ COMMANDS: dict[str, Callable[[Context], int]] = {
     "plots": cmd_plots,
     "card": cmd_card,
     "two-teachers": cmd_two_teachers,
+    "compare": cmd_compare,
 }
 
 

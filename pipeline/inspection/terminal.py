@@ -178,3 +178,25 @@ def align_renderables(r: AlignReport) -> list:
         chunks.add_row(*_cells(label, _pct(q["mapped_share"]), f"{q['ios_mean']:.4f}", f"{q['iou_mean']:.4f}",
                                _pct(q["ios_full_share"])))
     return [overview, chunks]
+
+
+# --------------------------------------------------------------------------------------------
+# Two scored folders compared
+# --------------------------------------------------------------------------------------------
+
+
+def parity_renderables(p, over: list[str]) -> list:
+    """The comparison of two scored folders (:class:`pipeline.inspection.parity.Parity`)."""
+    wa, wb = p.windows
+    rows = [("first", p.a), ("second", p.b), ("documents", f"{p.documents:,} compared, {p.n_mismatched} differing"),
+            ("windows", f"{wa.get('window')}/{wa.get('stride')} vs {wb.get('window')}/{wb.get('stride')}"
+                        + ("" if wa == wb else " (another plan: tokens with another context counted apart)"))]
+    for title, d in (("same context", p.same_context.to_dict()), ("context differs", p.context_differs.to_dict())):
+        if d["tokens"] or title == "same context":
+            rows.append((title, f"{d['tokens']:,} tokens: |loss diff| max {d['max_abs']:.3g}, p99 {d['p99_abs']:.3g}, "
+                                f"mean {d['mean_abs']:.3g} nats; {d['flip_share']:.4%} flip at ratio {p.ratio} "
+                                f"({d['flips']:,} tokens); {d['nan_mismatch']} NaN in one folder only"))
+    items: list = [_key_value_table("scored folders compared", rows)]
+    items += [escape(f"document: {m}") for m in p.mismatches]
+    items.append(escape("over tolerance: " + "; ".join(over)) if over else "within tolerance")
+    return items
