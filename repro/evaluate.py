@@ -1,10 +1,9 @@
 """How the toy students are judged: held-out bits per byte, and answers to held-out worked problems.
 
 Bits per UTF-8 byte divide the summed next-token loss of a text by its size, so students with
-different tokenizers are compared on the same footing. Every text token is predicted: the text
-follows the student's BOS (or, for a tokenizer without one, its EOS, the separator it saw between
-documents in training), and texts longer than the model's window are cut into blocks that each
-carry the previous block's last token as their first input.
+different tokenizers are compared on the same footing; the computation is the library's
+(:mod:`pipeline.evaluation.bits_per_byte`: every text token predicted after the student's BOS, or
+its EOS where it has none, long texts in blocks carrying the previous block's last token).
 
 Answers use worked problems in the corpus's own format (``Example k. <question>`` then
 ``Solution: a × b = c. <sentence restating c>``), drawn from held-out seeds, in two kinds:
@@ -27,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from pipeline.embedded.sample_corpus import arithmetic_problems
+from pipeline.evaluation.bits_per_byte import first_token, summarize, text_losses
 
 _EQUATION = re.compile(r"^(-?\d+) \S (-?\d+) = (-?\d+)$")
 
@@ -61,46 +61,12 @@ def completion_items(n: int, seed: int) -> list[Completion]:
     return items
 
 
-def _first_token(tokenizer) -> int:
-    first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if first is None:
-        raise ValueError("the student tokenizer has neither a BOS nor an EOS token to start a text with")
-    return first
-
-
 def bits_per_byte(model, tokenizer, texts: list[str], window: int = 256, batch_size: int = 16) -> dict:
-    """Summed next-token loss over ``texts`` in bits per UTF-8 byte, plus nats per token."""
-    import torch
-    import torch.nn.functional as F
-
-    first = _first_token(tokenizer)
-    blocks: list[list[int]] = []
-    n_tokens = 0
-    for ids in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]:
-        seq = [first, *ids]
-        n_tokens += len(ids)
-        for start in range(0, len(seq) - 1, window):
-            blocks.append(seq[start : start + window + 1])
-    total = 0.0
-    model.eval()
-    with torch.inference_mode():
-        blocks.sort(key=len)
-        for i in range(0, len(blocks), batch_size):
-            batch = blocks[i : i + batch_size]
-            width = max(map(len, batch))
-            x = torch.zeros(len(batch), width, dtype=torch.long)
-            target = torch.full((len(batch), width - 1), -100, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for r, b in enumerate(batch):
-                x[r, : len(b)] = torch.tensor(b)
-                target[r, : len(b) - 1] = torch.tensor(b[1:])
-                mask[r, : len(b)] = 1
-            logits = model(input_ids=x, attention_mask=mask).logits[:, :-1].float()
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                     ignore_index=-100, reduction="sum").item()
-    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    return {"bits_per_byte": total / math.log(2) / n_bytes, "nats_per_token": total / max(n_tokens, 1),
-            "n_bytes": n_bytes, "n_tokens": n_tokens}
+    """Summed next-token loss over ``texts`` in bits per UTF-8 byte, plus nats per token
+    (:mod:`pipeline.evaluation.bits_per_byte`, which ``make eval-student`` uses too)."""
+    totals = summarize(text_losses(model, tokenizer, texts, window=window, batch_size=batch_size))
+    return {"bits_per_byte": totals["bits_per_byte"], "nats_per_token": totals["nats_per_token"],
+            "n_bytes": totals["bytes"], "n_tokens": totals["tokens"]}
 
 
 def continuation_losses(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 32) -> list[float]:
@@ -112,7 +78,7 @@ def continuation_losses(model, tokenizer, pairs: list[tuple[str, str]], batch_si
     import torch
     import torch.nn.functional as F
 
-    first = _first_token(tokenizer)
+    first = first_token(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else first
     encoded = tokenizer([p + c for p, c in pairs], add_special_tokens=False, split_special_tokens=True,
                         return_offsets_mapping=True)

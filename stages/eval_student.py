@@ -1,18 +1,19 @@
 """Evaluation entry point: ``python -m stages.eval_student checkpoint=<dir or hub id> [key=value ...]``
 (``make eval-student ARGS="..."``). Configuration: ``conf/eval_student.yaml``.
 
-Steps: compose and check the config (every problem at once, missing task files included), read the
-task files and exemplars, load the checkpoint, generate greedily with few-shot chain-of-thought
-prompts, score, write ``eval.json``, ``samples.jsonl`` and ``eval.md`` to
-``<eval_root>/<label>`` (or ``out_dir``), print the table. A missing or malformed task file ends
-with one line naming the file and line, and exit status 2.
+Steps: compose and check the config (every problem at once: missing task files, held-out text files,
+a scored folder that is not a dataset, shards the run trained on), read the task files, exemplars
+and held-out documents, load the checkpoint, generate greedily with few-shot chain-of-thought
+prompts and score, measure held-out bits per byte, write ``eval.json``, ``samples.jsonl`` and
+``eval.md`` to ``<eval_root>/<label>`` (or ``out_dir``), print the tables. A missing or malformed
+input file ends with one line naming the file and line, and exit status 2.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from hydra.utils import to_absolute_path
@@ -22,15 +23,18 @@ from rich.table import Table
 
 from pipeline.config import defaults
 from pipeline.evaluation.generation import GenerationConfig, GenerationSettings
+from pipeline.evaluation.held_out import BitsPerByteSettings, resolve
 from pipeline.evaluation.run import (
     EvalJobConfig,
     EvalSettings,
     TaskInput,
+    bits_per_byte_lines,
     identity_summary,
     run_evaluation,
 )
 from pipeline.evaluation.tasks import TASKS
 from stages.common import build, entry_point, plain, quiet_libraries, raise_if
+from storage_schemas import filesystem as sfs
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
@@ -41,7 +45,10 @@ def job_config(cfg: DictConfig) -> EvalJobConfig:
     values = plain(cfg)
     settings = build(EvalSettings, values, "", problems, drop=("hydra",))
     checkpoint = _checkpoint(values.get("checkpoint"), problems)  # from the values as written: every problem at once
-    tasks = _task_inputs(values, problems)
+    held_out_settings = settings.bits_per_byte if settings else build(
+        BitsPerByteSettings, values.get("bits_per_byte"), "bits_per_byte", [])  # its own problems are listed already
+    held_out = resolve(_absolute(held_out_settings), checkpoint, problems) if held_out_settings else None
+    tasks = _task_inputs(values, problems, bits_per_byte=bool(held_out_settings and held_out_settings.asked))
     raise_if(problems)
     generation = GenerationConfig(**{f.name: getattr(settings.generation, f.name) for f in fields(GenerationSettings)},
                                   model=checkpoint, revision=settings.revision)
@@ -49,7 +56,7 @@ def job_config(cfg: DictConfig) -> EvalJobConfig:
     out_dir = to_absolute_path(settings.out_dir) if settings.out_dir else to_absolute_path(str(Path(settings.eval_root) / label))
     return EvalJobConfig(generation=generation, tasks=tasks, output_dir=out_dir, num_fewshot=settings.num_fewshot,
                          fewshot_source=settings.fewshot_source, limit=settings.limit, label=label,
-                         progress=settings.progress)
+                         progress=settings.progress, bits_per_byte=held_out)
 
 
 def _checkpoint(checkpoint: str | None, problems: list[str]) -> str:
@@ -65,12 +72,20 @@ def _checkpoint(checkpoint: str | None, problems: list[str]) -> str:
     return str(checkpoint)
 
 
-def _task_inputs(values: dict, problems: list[str]) -> list[TaskInput]:
+def _absolute(held_out: BitsPerByteSettings) -> BitsPerByteSettings:
+    """Local paths made absolute (Hydra may change the working folder); object-store URIs kept."""
+    scored = held_out.scored
+    return replace(held_out, texts=tuple(to_absolute_path(str(t)) for t in held_out.texts),
+                   scored=scored if scored is None or sfs.is_remote(scored) else to_absolute_path(str(scored)))
+
+
+def _task_inputs(values: dict, problems: list[str], bits_per_byte: bool) -> list[TaskInput]:
     names = [str(t) for t in values.get("tasks") or []]
     data_files, fewshot_files = values.get("data_files") or {}, values.get("fewshot_files") or {}
     unknown = [t for t in names if t not in TASKS]
-    if not names:
-        problems.append("tasks: give at least one task")
+    if not names and not bits_per_byte:
+        problems.append("tasks: give at least one task, or held-out text for bits per byte "
+                        "(bits_per_byte.texts=[...] or bits_per_byte.scored=<folder>)")
     if unknown:
         problems.append(f"tasks: unknown {', '.join(map(str, unknown))} (known: {', '.join(TASKS)})")
     if len(set(names)) != len(names):
@@ -116,7 +131,11 @@ def print_result(record: dict, out_dir: str) -> None:
         table.add_row(name, str(r["comparable"]["num_fewshot"]), str(r["n"]), str(r["correct"]),
                       f"{100 * r['accuracy']:.1f}%", str(r["no_answer"]))
     console = Console()
-    console.print(table)
+    if record["tasks"]:
+        console.print(table)
+    if "bits_per_byte" in record:
+        console.print("\n".join(bits_per_byte_lines(record["bits_per_byte"])), markup=False, highlight=False,
+                      soft_wrap=True)
     s = record["settings"]
     console.print(f"checkpoint {record['checkpoint']} ({identity_summary(record['identity'])}); {s['backend']} on "
                   f"{s['device']}, {s['dtype']}; {record['truncated_prompts']} prompt(s) cut to fit the context; "

@@ -65,9 +65,10 @@ class Generator(Protocol):
     def describe(self) -> dict: ...
 
 
-def make_generator(cfg: GenerationConfig) -> Generator:
+def make_generator(cfg: GenerationConfig, loaded: LoadedModel | None = None) -> Generator:
+    """The configured backend's generator; the transformers one uses ``loaded`` if given."""
     if cfg.backend == "transformers":
-        return HFGenerator(cfg)
+        return HFGenerator(cfg, loaded)
     if cfg.backend == "vllm":
         return VLLMGenerator(cfg)
     raise ConfigError(f"backend: {cfg.backend!r} is not one of transformers, vllm")
@@ -83,22 +84,43 @@ def _torch_dtype(name: str, device):
     return dtypes[name]
 
 
+@dataclass
+class LoadedModel:
+    """A checkpoint loaded with transformers on the configured device and dtype."""
+
+    model: object
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+    def describe(self) -> dict:
+        return {"backend": "transformers", "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
+
+
+def load_model(cfg: GenerationConfig) -> LoadedModel:
+    """``AutoModelForCausalLM``/``AutoTokenizer`` of ``cfg.model`` in eval mode (CPU threads, seed,
+    device and dtype as configured); a checkpoint that cannot be loaded is one line."""
+    device = resolve_device(cfg.device)
+    if device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
+    torch.manual_seed(cfg.seed)
+    dtype = _torch_dtype(cfg.dtype, device)
+    kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs)
+    except OSError as exc:  # not found locally and the hub unreachable, or not a checkpoint
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"cannot load checkpoint {cfg.model}: {first}") from exc
+    return LoadedModel(model.to(device).eval(), tokenizer, device, dtype)
+
+
 class HFGenerator:
-    def __init__(self, cfg: GenerationConfig):
+    def __init__(self, cfg: GenerationConfig, loaded: LoadedModel | None = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        if self.device.type == "cpu" and cfg.cpu_threads:
-            torch.set_num_threads(cfg.cpu_threads)
-        torch.manual_seed(cfg.seed)
-        self.dtype = _torch_dtype(cfg.dtype, self.device)
-        kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
-            self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype, **kwargs)
-        except OSError as exc:  # not found locally and the hub unreachable, or not a checkpoint
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"cannot load checkpoint {cfg.model}: {first}") from exc
-        self.model = self.model.to(self.device).eval()
+        self.loaded = loaded or load_model(cfg)
+        self.model, self.device, self.dtype = self.loaded.model, self.loaded.device, self.loaded.dtype
+        self.tokenizer = self.loaded.tokenizer
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
@@ -107,7 +129,7 @@ class HFGenerator:
         self.truncated_prompts = 0
 
     def describe(self) -> dict:
-        return {"backend": "transformers", "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
+        return self.loaded.describe()
 
     def generate(self, prompts: Sequence[str], stop: Sequence[str]) -> list[str]:
         ids = [self._encode(p) for p in prompts]

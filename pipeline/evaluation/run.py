@@ -1,12 +1,14 @@
-"""One evaluation: a checkpoint on several tasks, written as ``eval.json``, ``samples.jsonl`` and
-``eval.md`` in the output folder.
+"""One evaluation: a checkpoint on several tasks and, if asked, held-out bits per byte, written as
+``eval.json``, ``samples.jsonl`` and ``eval.md`` in the output folder.
 
-Steps: read every task's records and exemplars (any bad input fails before a model loads), load the
-model once, per task build the prompts, generate, cut at the stop sequence, extract and score, then
-write the results. ``eval.json`` records what makes two evaluations comparable (per task: the data
-file's sha256, the number of problems, the shot count, the exemplars' sha256, the prompt template,
-``max_new_tokens``) and the checkpoint's identity (sha256 of its config and weights files for a
-local folder; hub id and revision otherwise).
+Steps: read every task's records and exemplars and the held-out documents (any bad input fails
+before a model loads), load the model once, per task build the prompts, generate, cut at the stop
+sequence, extract and score; measure bits per byte on the held-out documents
+(:mod:`pipeline.evaluation.bits_per_byte`); then write the results. ``eval.json`` records what makes
+two evaluations comparable (per task: the data file's sha256, the number of problems, the shot
+count, the exemplars' sha256, the prompt template, ``max_new_tokens``; for bits per byte: the
+held-out text's digest, documents and bytes) and the checkpoint's identity (sha256 of its config
+and weights files for a local folder; hub id and revision otherwise).
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ConfigError, MissingPathError, check_at_least, check_choice
+from pipeline.evaluation.bits_per_byte import summarize, text_losses
 from pipeline.evaluation.generation import (
     GenerationConfig,
     GenerationSettings,
     Generator,
+    LoadedModel,
+    load_model,
     make_generator,
 )
+from pipeline.evaluation.held_out import BitsPerByteSettings, HeldOutText, read_documents, text_digest
 from pipeline.evaluation.tasks import (
     TASKS,
     Exemplar,
@@ -76,6 +82,7 @@ class EvalSettings:
     fewshot_files: dict[str, str | None] = field(default_factory=_per_task)  # overrides fewshot_dir
     limit: int | None = None  # evaluate the first N problems of each task (None: all)
     generation: GenerationSettings = field(default_factory=GenerationSettings)
+    bits_per_byte: BitsPerByteSettings = field(default_factory=BitsPerByteSettings)  # held-out text (tasks=[] for it alone)
     eval_root: str = "outputs/eval"
     out_dir: str | None = None  # None: <eval_root>/<label or a name derived from the checkpoint>
     progress: bool = True
@@ -102,6 +109,7 @@ class EvalJobConfig:
     limit: int | None = None  # first N problems of each task
     label: str | None = None
     progress: bool = True
+    bits_per_byte: HeldOutText | None = None  # None: not measured
 
 
 @dataclass
@@ -160,27 +168,58 @@ def run_evaluation(job: EvalJobConfig, generator: Generator | None = None) -> di
     """Evaluate and write the output folder; returns the ``eval.json`` record."""
     t0 = time.perf_counter()
     prepared = [prepare_task(job, t) for t in job.tasks]
+    held_out = read_documents(job.bits_per_byte) if job.bits_per_byte else None
+    if held_out is not None and not held_out[0]:
+        raise ConfigError("bits_per_byte: the held-out text holds no document (every text empty, or no shard chosen)")
     identity = checkpoint_identity(job.generation.model, job.generation.revision)
-    generator = generator or make_generator(job.generation)
+    transformers = job.generation.backend == "transformers"
+    loaded = load_model(job.generation) if held_out is not None and (transformers or not prepared) else None
+    if prepared:
+        generator = generator or make_generator(job.generation, loaded)
     results, samples = {}, []
     for task in prepared:
         result, task_samples = evaluate_task(task, generator, job.generation.max_new_tokens, job.progress)
         results[task.spec.name] = result
         samples += task_samples
+    if held_out is not None and loaded is None:
+        loaded = load_model(job.generation)  # vLLM generated: bits per byte needs the transformers model
+    described = generator.describe() if prepared else loaded.describe()
     record = {
         "format": EVAL_FORMAT,
         "label": job.label,
         "checkpoint": job.generation.model,
         "identity": identity,
-        "settings": {**generator.describe(), "batch_size": job.generation.batch_size, "seed": job.generation.seed,
+        "settings": {**described, "batch_size": job.generation.batch_size, "seed": job.generation.seed,
                      "max_new_tokens": job.generation.max_new_tokens, "limit": job.limit},
         "tasks": results,
-        "truncated_prompts": generator.truncated_prompts,
-        "seconds": round(time.perf_counter() - t0, 2),
-        "code_version": code_version(),
+        "truncated_prompts": generator.truncated_prompts if prepared else 0,
     }
+    if held_out is not None:
+        record["bits_per_byte"] = measure_held_out(job.bits_per_byte, *held_out, loaded, job.progress)
+    record.update(seconds=round(time.perf_counter() - t0, 2), code_version=code_version())
     write_outputs(Path(job.output_dir), record, samples)
     return record
+
+
+def measure_held_out(held: HeldOutText, texts: list[str], sources: list[dict], loaded: LoadedModel,
+                     progress: bool) -> dict:
+    """Bits per byte of ``loaded`` on the held-out ``texts``: the statistics of
+    :func:`pipeline.evaluation.bits_per_byte.summarize`, the settings, the sources and what must
+    match for two results to be compared (the text's digest, documents and bytes)."""
+    t0 = time.perf_counter()
+    context = getattr(loaded.model.config, "max_position_embeddings", None)
+    window = held.window or (context - 1 if context else 1024)
+    if context and window > context - 1:
+        raise ConfigError(f"bits_per_byte.window: {window} does not fit the model's context {context} "
+                          f"(at most {context - 1}: a block is the window plus the token before it)")
+    if progress:
+        log.info("bits per byte: %d documents, window %d", len(texts), window)
+    totals = summarize(text_losses(loaded.model, loaded.tokenizer, texts, window=window, batch_size=held.batch_size))
+    return {
+        **totals, "window": window, "batch_size": held.batch_size, **loaded.describe(),
+        "sources": sources, "seconds": round(time.perf_counter() - t0, 2),
+        "comparable": {"text_sha256": text_digest(texts), "documents": totals["documents"], "bytes": totals["bytes"]},
+    }
 
 
 def evaluate_task(task: PreparedTask, generator: Generator, max_new_tokens: int, progress: bool) -> tuple[dict, list[dict]]:
@@ -222,17 +261,50 @@ def markdown_report(record: dict) -> str:
         f"# Evaluation: {record['label'] or record['checkpoint']}",
         "",
         f"- checkpoint: `{record['checkpoint']}` ({identity_summary(ident)})",
-        f"- generation: {s['backend']} on {s['device']}, {s['dtype']}, greedy, max_new_tokens {s['max_new_tokens']}, "
-        f"batch size {s['batch_size']}",
-        f"- prompts cut to fit the context: {record['truncated_prompts']}",
-        "",
-        "| task | shots | n | correct | accuracy | no answer |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    if record["tasks"]:
+        lines += [
+            f"- generation: {s['backend']} on {s['device']}, {s['dtype']}, greedy, max_new_tokens "
+            f"{s['max_new_tokens']}, batch size {s['batch_size']}",
+            f"- prompts cut to fit the context: {record['truncated_prompts']}",
+            "",
+            "| task | shots | n | correct | accuracy | no answer |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
     for name, r in record["tasks"].items():
         lines.append(f"| {name} | {r['comparable']['num_fewshot']} | {r['n']} | {r['correct']} | "
                      f"{100 * r['accuracy']:.1f}% | {r['no_answer']} |")
+    if "bits_per_byte" in record:
+        b = record["bits_per_byte"]
+        lines += ["", f"- bits per byte: {b['backend']} on {b['device']}, {b['dtype']}, batch size {b['batch_size']}",
+                  "", *bits_per_byte_lines(b)]
     return "\n".join(lines) + "\n"
+
+
+def bits_per_byte_lines(b: dict) -> list[str]:
+    """The held-out measure as markdown: the statistics, then where the documents came from."""
+    lines = [
+        "Held-out bits per byte (total bits / total bytes; per document: mean and "
+        f"{round(100 * b['level'])}% t interval over documents):",
+        "",
+        "| bits/byte | per-document mean [CI] | nats/token | documents | bytes | tokens | window |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {b['bits_per_byte']:.4f} | {document_interval(b)} | {b['nats_per_token']:.4f} | {b['documents']} | "
+        f"{b['bytes']} | {b['tokens']} | {b['window']} |",
+        "",
+    ]
+    for s in b["sources"]:
+        if s["kind"] == "text_file":
+            lines.append(f"- `{s['path']}`: {s['documents']} document(s)")
+        else:
+            lines.append(f"- `{s['folder']}` shards {', '.join(s['shards'])}: {s['documents']} document(s); "
+                         f"trained on: {s['trained_on']}")
+    return lines
+
+
+def document_interval(b: dict) -> str:
+    ci = b.get("document_ci")
+    return f"{b['document_mean']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
 
 
 def identity_summary(ident: dict) -> str:

@@ -1,0 +1,149 @@
+"""Held-out bits per UTF-8 byte of a causal LM: the standard measure of continual pretraining,
+comparable across student tokenizers because it divides by bytes, not tokens. ``make eval-student``
+reports it (docs/evaluation.md) and ``make repro`` judges its students by it (docs/METHOD.md §4.2).
+
+:func:`text_losses` gives, per text, the summed next-token loss in nats, the UTF-8 byte count and
+the token count. Every text token is predicted: the text follows the tokenizer's BOS (or, for a
+tokenizer without one, its EOS, the separator between documents in training), and a text longer
+than ``window`` tokens is cut into blocks that each carry the previous block's last token as their
+first input, so each token is predicted exactly once with up to ``window`` tokens of context.
+Losses are float32 log-softmax (whatever the model's dtype), summed per text in float64.
+
+:func:`summarize` gives the statistics the reproduction reports: bits per byte overall (total bits
+over total bytes), nats per token, and the per-document bits per byte with its mean and a 95%
+Student-t interval over documents (:func:`t_quantile`, the closed form of ``repro/stats.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+LEVEL = 0.95  # two-sided confidence level of the interval over documents
+
+
+@dataclass(frozen=True)
+class TextLoss:
+    """One text's summed next-token loss (nats), its UTF-8 bytes and its tokens."""
+
+    nats: float
+    n_bytes: int
+    n_tokens: int
+
+
+def first_token(tokenizer) -> int:
+    """The token a text follows: the tokenizer's BOS, else its EOS."""
+    first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if first is None:
+        raise ValueError("the tokenizer has neither a BOS nor an EOS token to start a text with")
+    return first
+
+
+def blocks(ids: Sequence[int], first: int, window: int) -> list[list[int]]:
+    """``[first, *ids]`` cut into blocks of at most ``window + 1`` tokens that overlap by one: block
+    ``k`` predicts ids ``k*window .. (k+1)*window - 1`` from what precedes them in the block."""
+    seq = [first, *ids]
+    return [seq[start: start + window + 1] for start in range(0, len(seq) - 1, window)]
+
+
+def text_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch_size: int = 16) -> list[TextLoss]:
+    """Per text: summed next-token loss in nats, UTF-8 bytes, tokens (module docstring)."""
+    if window < 1 or batch_size < 1:
+        raise ValueError(f"window ({window}) and batch_size ({batch_size}) must be >= 1")
+    first = first_token(tokenizer)
+    encoded = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"] if texts else []
+    work = [(b, owner) for owner, ids in enumerate(encoded) for b in blocks(ids, first, window)]
+    work.sort(key=lambda item: len(item[0]))  # similar lengths share a batch
+    nats = [0.0] * len(encoded)
+    device = next(model.parameters()).device
+    model.eval()
+    with torch.inference_mode():
+        for i in range(0, len(work), batch_size):
+            batch = work[i: i + batch_size]
+            width = max(len(b) for b, _ in batch)
+            x = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            target = torch.full((len(batch), width - 1), -100, dtype=torch.long)
+            for r, (b, _) in enumerate(batch):
+                x[r, : len(b)] = torch.tensor(b)
+                mask[r, : len(b)] = 1
+                target[r, : len(b) - 1] = torch.tensor(b[1:])
+            logits = model(input_ids=x.to(device), attention_mask=mask.to(device)).logits[:, :-1].float()  # (B, T-1, V)
+            loss = F.cross_entropy(logits.transpose(1, 2), target.to(device), ignore_index=-100,
+                                   reduction="none")  # (B, T-1), 0 where ignored
+            for (_, owner), row in zip(batch, loss.sum(dim=1, dtype=torch.float64).tolist()):
+                nats[owner] += row
+    return [TextLoss(nats=n, n_bytes=len(t.encode("utf-8")), n_tokens=len(ids))
+            for n, t, ids in zip(nats, texts, encoded)]
+
+
+def summarize(losses: Sequence[TextLoss], level: float = LEVEL) -> dict:
+    """Bits per byte overall (total bits / total bytes), nats per token, and the per-document bits
+    per byte: mean and a ``level`` t interval over documents (``None`` with fewer than two).
+    Documents without a byte are counted but take no part in the per-document statistics."""
+    n_bytes = sum(x.n_bytes for x in losses)
+    n_tokens = sum(x.n_tokens for x in losses)
+    nats = math.fsum(x.nats for x in losses)
+    per_document = [x.nats / math.log(2) / x.n_bytes for x in losses if x.n_bytes > 0]
+    mean = statistics.fmean(per_document) if per_document else math.nan
+    interval = None
+    if len(per_document) > 1:
+        half = t_quantile(level, len(per_document) - 1) * statistics.stdev(per_document) / math.sqrt(len(per_document))
+        interval = [mean - half, mean + half]
+    return {
+        "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else math.nan,
+        "nats_per_token": nats / max(n_tokens, 1),
+        "documents": len(losses),
+        "bytes": n_bytes,
+        "tokens": n_tokens,
+        "nats": nats,
+        "document_mean": mean,
+        "document_ci": interval,
+        "level": level,
+    }
+
+
+# ---- Student's t, as repro/stats.py computes it (no scipy) -------------------------------------
+
+
+def t_central(t: float, df: int) -> float:
+    """``P(|T| <= t)`` for Student's t with ``df`` degrees of freedom (Abramowitz & Stegun 26.7.3-4)."""
+    if df < 1 or int(df) != df:
+        raise ValueError(f"degrees of freedom {df!r}: a positive integer is needed")
+    if math.isinf(t):
+        return 1.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    s, c = math.sin(theta), math.cos(theta)
+    term = total = 1.0
+    if df % 2 == 1:
+        if df == 1:
+            return 2.0 * theta / math.pi
+        for k in range(2, df - 1, 2):
+            term *= k / (k + 1) * c * c
+            total += term
+        return 2.0 / math.pi * (theta + s * c * total)
+    for k in range(1, df - 2, 2):
+        term *= k / (k + 1) * c * c
+        total += term
+    return s * total
+
+
+def t_quantile(level: float, df: int) -> float:
+    """The ``t`` with ``P(|T| <= t) = level`` (0.95: the 97.5% quantile), to 1e-10, by bisection."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level {level} is not in (0, 1)")
+    lo, hi = 0.0, 1.0
+    while t_central(hi, df) < level:
+        hi *= 2.0
+    while hi - lo > 1e-10 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        if t_central(mid, df) < level:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
