@@ -169,7 +169,8 @@ def test_compact_encodings_keep_every_value_and_shrink_the_file(tmp_path):
         docs.append(ScoredDocument(f"d:{k}", "x" * int(ends[-1]), rng.integers(0, 32000, n).astype(np.int32), starts, ends, losses))
     result = ShardResult(documents=docs)
     sizes = {}
-    for name, storage in {"default": StorageConfig(), "compact": StorageConfig(encodings="compact", compression_level=9)}.items():
+    for name, storage in {"default": StorageConfig(encodings="default", loss_precision="float32"),
+                          "compact": StorageConfig(encodings="compact", loss_precision="float32", compression_level=9)}.items():
         folder = tmp_path / name
         folder.mkdir()
         sizes[name] = write_shard(folder, 0, result, {}, {}, "v", storage=storage)["bytes"]
