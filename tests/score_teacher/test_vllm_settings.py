@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.vllm import engine_args, engine_window, greedy_prompt_logprob_params
-from pipeline.score_teacher.windows import plan_windows
+from pipeline.windows import plan_windows
 
 
 def engine_accepts_prompt(prompt_len: int, max_model_len: int) -> bool:
