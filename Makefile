@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 .DEFAULT_GOAL := help
 
-.PHONY: help setup score-teacher convert-teacher train-student inspect validate vocab-overlap align-report test test-slow mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean
+.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean
 
 help:  ## every target, one line each
 	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -41,6 +41,9 @@ convert-teacher: setup  ## a safetensors copy of a teacher that ships only .bin 
 
 train-student: setup  ## stage 2: train a student with the teacher-guided loss (~2-3 min on the default)
 	$(PY) -m stages.train_student $(ARGS)
+
+export-student: setup  ## the student side of scored data for other trainers: Parquet, Megatron, litdata (docs/export.md)
+	$(PY) -m stages.export_student $(ARGS)
 
 inspect: setup  ## look into a scored dataset (ARGS="command=summary|validate|html|plots|card|... path=...")
 	$(PY) -m stages.inspect $(ARGS)

@@ -24,8 +24,8 @@ What is measured (after warm-up, CUDA-synchronised, the sides of each part inter
   random weights, no checkpoint);
 * the student training step at the TinyLlama 1.1B shape, sequence 2048: float32 master weights,
   bf16 autocast (what the Trainer's ``bf16=True`` does), fused AdamW, with the project's loss in
-  ``guided`` mode and in ``cpt`` mode (:func:`pipeline.train_student.guided_loss.guided_loss`);
-* the student data pipeline (read + tokenize + align + pack, :mod:`pipeline.train_student.data`) in one
+  ``guided`` mode and in ``cpt`` mode (:func:`pipeline.guided_loss.guided_loss`);
+* the student data pipeline (read + tokenize + align + pack, :mod:`pipeline.student_side`) in one
   process over a scored dataset written here (generated math text, random teacher losses), as packed
   tokens per CPU-second, next to the GPU's training tokens/s: the CPU cores one GPU needs.
 
@@ -285,7 +285,7 @@ def bench_scoring(s: Settings, device, dtype_name: str, peak: float | None) -> d
 def bench_training(s: Settings, device, dtype_name: str, peak: float | None) -> dict:
     import torch
 
-    from pipeline.train_student.guided_loss import SelectionConfig, guided_loss
+    from pipeline.guided_loss import SelectionConfig, guided_loss
 
     _reset_memory(device)
     model = build_model(s.student, torch.float32, device).train()  # float32 master weights
@@ -332,7 +332,7 @@ def bench_data(s: Settings, work: Path, teacher_tokenizer: str | None, student_t
     from pipeline.embedded.tiny_teacher import train_tokenizer
     from storage_schemas.reader import open_scored_dataset
     from pipeline.score_teacher.writer import write_manifest, write_shard
-    from pipeline.train_student.data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
+    from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
     from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
     from pipeline.tokenization import encode_batch, load_tokenizer
 

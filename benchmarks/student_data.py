@@ -6,10 +6,10 @@ single-threaded and compared by process CPU time:
 
 * ``tokenize``: :func:`pipeline.tokenization.encode_batch` of the same documents, a row group
   (up to 1024 documents) per call: the tokenization the pipeline cannot avoid;
-* ``pipeline``: every packed sample of a fresh :class:`pipeline.train_student.data.PackedDataset` read
+* ``pipeline``: every packed sample of a fresh :class:`pipeline.student_side.PackedDataset` read
   in order through a ``torch.utils.data.DataLoader`` in batches of ``batch_size`` samples (the
   training micro batch), as the trainer's data loader reads it: reading the rows, tokenizing,
-  aligning, packing (the plan, built once by :func:`pipeline.train_student.data.build_student_data`, is
+  aligning, packing (the plan, built once by :func:`pipeline.student_side.build_student_data`, is
   not timed: the steady state of training);
 * ``pipeline_cold``: a first run, everything included: ``build_student_data`` with an empty length
   cache (its length pass tokenizes every document once more before training starts, and it
@@ -57,7 +57,7 @@ def read_packed(dataset, batch_size: int) -> int:
     """Every sample of a packed dataset through a data loader, as training reads it; the tokens delivered."""
     import torch
 
-    from pipeline.train_student.data import collate_packed
+    from pipeline.student_side import collate_packed
 
     for _ in torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collate_packed):
         pass
@@ -67,7 +67,7 @@ def read_packed(dataset, batch_size: int) -> int:
 def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike) -> dict:
     """``dataset``: a complete stage-1 output folder."""
     from storage_schemas.reader import open_scored_dataset, read_row_group
-    from pipeline.train_student.data import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
+    from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
     from pipeline.tokenization import encode_batch
 
     scored = open_scored_dataset([str(dataset)])
@@ -107,8 +107,8 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer, dat
         "np.asarray, all callers (offset lists, row values)": ("~", "<built-in method numpy.asarray>"),
         "align (align_documents)": ("pipeline/alignment.py", "align_documents"),
         "read rows (ShardReader.row)": ("storage_schemas/reader.py", "row"),
-        "_encode (read + tokenize + align + per-document arrays)": ("train_student/data.py", "_encode"),
-        "__getitems__ (everything but collation)": ("train_student/data.py", "__getitems__"),
+        "_encode (read + tokenize + align + per-document arrays)": ("pipeline/student_side.py", "_encode"),
+        "__getitems__ (everything but collation)": ("pipeline/student_side.py", "__getitems__"),
     })
     sides = {"tokenize": tokenize, "pipeline": pipeline}
     if cfg.cold:

@@ -152,6 +152,7 @@ def test_a_stage_with_several_config_errors_exits_2_listing_each(stage, errors, 
 
 # Every primary config and the entry point that registers its defaults (one pattern for all).
 ENTRY_POINTS = {"score_teacher": "stages.score_teacher", "train_student": "stages.train_student",
+                "export_student": "stages.export_student",
                 "convert_teacher": "stages.convert_teacher", "eval_student": "stages.eval_student",
                 "compare_evals": "stages.compare_evals", "bench": "benchmarks.__main__", "gpu_bench": "benchmarks.gpu",
                 "repro": "repro.__main__", "mutation": "mutation.__main__"}

@@ -40,8 +40,17 @@ from pipeline.config import (
     raise_if,
 )
 from pipeline.folder_lock import exclusive_writer
+from pipeline.guided_loss import SelectionConfig
 from pipeline.model_source import looks_local
 from pipeline.provenance import model_identity
+from pipeline.several_teachers import MISSING_RULES, open_teachers
+from pipeline.student_side import (
+    AlignmentConfig,
+    PackingConfig,
+    StudentData,
+    build_student_data,
+    collate_packed,
+)
 from pipeline.tokenization import fingerprint, load_tokenizer
 from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchError: the run's refusal)
     METRICS_NAME,
@@ -53,19 +62,7 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
     save_final,
     trainer_state,
 )
-from pipeline.train_student.data import (
-    AlignmentConfig,
-    PackingConfig,
-    StudentData,
-    build_student_data,
-    collate_packed,
-)
-from pipeline.train_student.guided_loss import SelectionConfig
-from pipeline.train_student.several_teachers import (
-    MISSING_RULES,
-    TeacherMetrics,
-    open_teachers,
-)
+from pipeline.train_student.several_teachers import TeacherMetrics
 from pipeline.train_student.trainer import (
     CheckpointRecordCallback,
     GuidedTrainer,

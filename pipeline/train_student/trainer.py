@@ -3,8 +3,8 @@ its checkpoint records.
 
 :class:`GuidedTrainer` changes ``transformers.Trainer`` in five ways:
 
-* ``compute_loss`` hands the student's logits to :func:`pipeline.train_student.guided_loss.guided_selection`
-  with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.train_student.data`),
+* ``compute_loss`` hands the student's logits to :func:`pipeline.guided_loss.guided_loss` (the public loss)
+  with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.student_side`),
   ``teacher_loss`` and ``mapped``. The loss is a per-micro-batch mean, so the top k% is selected
   per micro-batch and per rank, see docs/METHOD.md §2.2. ``random`` mode seeds its draw with
   ``(seed, step, micro-batch, rank)``, so a resumed run draws the same tokens.
@@ -45,8 +45,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from pipeline.config import UserError
+from pipeline.guided_loss import SelectionConfig, guided_loss
 from pipeline.train_student.checkpoints import mark_complete
-from pipeline.train_student.guided_loss import SelectionConfig, guided_selection
 from pipeline.train_student.several_teachers import TeacherMetrics
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class GuidedTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logits = model(input_ids=inputs["input_ids"]).logits  # (B, T, V)
-        selection = guided_selection(
+        selection = guided_loss(
             logits, inputs["labels"], inputs.get("teacher_loss"), inputs.get("mapped"),
             self.selection, generator=self._generator(logits.device),
         )

@@ -1,6 +1,11 @@
-"""Stage-2 data: student tokenization, alignment to the teacher's losses, packing (METHOD 2.1, 2.3).
+"""The student side of a scored dataset: student tokenization, alignment to the teacher's losses,
+several teachers combined, packing (METHOD 2.1, 2.3, 2.4, 2.6).
 
-The training data is a *map-style* dataset of packed samples, so that its order and the position
+One implementation for the two consumers: stage 2 trains on it (:mod:`pipeline.train_student`) and
+``make export-student`` writes it out for other trainers (:mod:`pipeline.export_student`), so the
+exported rows are the training samples, bit for bit.
+
+The data is a *map-style* dataset of packed samples, so that its order and the position
 in it are plain numbers: sample ``k`` is always the same tokens, and a resumed run that skips the
 first ``n`` samples sees exactly the batches an uninterrupted run would have seen.
 
@@ -37,7 +42,7 @@ How it is built
    teacher stored with zero tokens (whitespace-only texts): such documents are trained as unmapped.
 
 Several teachers (METHOD 2.6): :func:`build_student_data` takes one scored dataset per teacher,
-matches their documents (:func:`pipeline.train_student.several_teachers.match_teachers`), plans the stream
+matches their documents (:func:`pipeline.several_teachers.match_teachers`), plans the stream
 of the matched documents, and each worker aligns every document to each teacher separately and
 combines the losses per student token; each position then also carries every teacher's ``L_t``
 (``teacher_losses``, (L, T)) for the per-teacher metrics. With one teacher nothing of this runs.
@@ -72,8 +77,7 @@ from pipeline.alignment import (
     align_documents,
 )
 from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
-from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
-from pipeline.train_student.several_teachers import (
+from pipeline.several_teachers import (
     COMBINATIONS,
     TeacherMatch,
     combine_losses,
@@ -81,6 +85,7 @@ from pipeline.train_student.several_teachers import (
     match_teachers,
     teacher_names,
 )
+from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
 from storage_schemas.reader import (
     BadShardError,
     ScoredDataset,
@@ -390,9 +395,31 @@ class StudentDocument:
 
 
 @dataclass(frozen=True)
+class Window:
+    """Sample ``k`` as a slice of the stream, ``stream[kL : kL + L + 1]``, before it is split into
+    inputs (its first ``L`` tokens) and targets (its last ``L``): each token with its own ``L_t``."""
+
+    index: int  # k
+    ids: np.ndarray  # (L+1,) int64
+    teacher_loss: np.ndarray  # (L+1,) float32, NaN where unmapped
+    mapped: np.ndarray  # (L+1,) bool
+    teacher_losses: np.ndarray | None  # (L+1, T) several teachers only
+    documents: list[tuple[int, int, int]]  # (stream position, start, stop) of each document's part
+
+    @classmethod
+    def of(cls, k: int, parts: list[tuple[StudentDocument, int, int]], documents: list[tuple[int, int, int]]) -> "Window":
+        several = parts[0][0].teacher_losses is not None
+        return cls(index=k, ids=np.concatenate([doc.ids[a:b] for doc, a, b in parts]),
+                   teacher_loss=np.concatenate([doc.teacher_loss[a:b] for doc, a, b in parts]),
+                   mapped=np.concatenate([doc.mapped[a:b] for doc, a, b in parts]),
+                   teacher_losses=np.concatenate([doc.teacher_losses[a:b] for doc, a, b in parts]) if several else None,
+                   documents=documents)
+
+
+@dataclass(frozen=True)
 class TeacherSources:
     """What a worker needs to align each document to several teachers and combine (§2.6): where
-    each stream document is in every teacher's shards (:class:`pipeline.train_student.several_teachers.TeacherMatch`),
+    each stream document is in every teacher's shards (:class:`pipeline.several_teachers.TeacherMatch`),
     each teacher's resolved alignment and the combination."""
 
     shards: list[ShardInfo]  # the stream's shards first, then every other teacher shard
@@ -482,18 +509,20 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         """Samples ``indices`` (what ``torch.utils.data.DataLoader`` asks a worker for at once)."""
+        return [self._sample(window) for window in self.windows(indices)]
+
+    def windows(self, indices: Sequence[int]) -> list[Window]:
+        """Samples ``indices`` before they are split into inputs and targets (:class:`Window`)."""
         layouts = [(int(k), self.plan.documents_of(int(k))) for k in indices]
         needed = sorted({d for _, parts in layouts for d, _, _ in parts})
         ahead = self._readahead([k for k, _ in layouts]) if any(d not in self._docs for d in needed) else []
         self._observe([k for k, _ in layouts])
         docs = self.documents(needed, ahead)
-        return [self._sample(k, [(docs[d], a, b) for d, a, b in parts]) for k, parts in layouts]
+        return [Window.of(k, [(docs[d], a, b) for d, a, b in parts], parts) for k, parts in layouts]
 
     @staticmethod
-    def _sample(k: int, parts: list[tuple[StudentDocument, int, int]]) -> dict[str, torch.Tensor]:
-        ids = np.concatenate([doc.ids[a:b] for doc, a, b in parts])  # (L+1,)
-        teacher_loss = np.concatenate([doc.teacher_loss[a:b] for doc, a, b in parts])
-        mapped = np.concatenate([doc.mapped[a:b] for doc, a, b in parts])
+    def _sample(window: Window) -> dict[str, torch.Tensor]:
+        k, ids, teacher_loss, mapped = window.index, window.ids, window.teacher_loss, window.mapped
         sample = {
             "input_ids": torch.from_numpy(ids[:-1].copy()),  # (L,)
             "labels": torch.from_numpy(ids[1:].copy()),  # (L,) target of each position
@@ -501,8 +530,8 @@ class PackedDataset(torch.utils.data.Dataset):
             "mapped": torch.from_numpy(mapped[1:].copy()),  # (L,)
             "sample_index": torch.tensor(k, dtype=torch.int64),
         }
-        if parts[0][0].teacher_losses is not None:  # several teachers: each one's L_t, (L, T)
-            sample["teacher_losses"] = torch.from_numpy(np.concatenate([doc.teacher_losses[a:b] for doc, a, b in parts])[1:])
+        if window.teacher_losses is not None:  # several teachers: each one's L_t, (L, T)
+            sample["teacher_losses"] = torch.from_numpy(window.teacher_losses[1:])
         return sample
 
     def _observe(self, indices: list[int]) -> None:
@@ -675,7 +704,7 @@ class StudentData:
                         **self.plan.summary()},
         }
         if self.teachers is not None:
-            identity["teachers"] = [_teacher_identity(d, a) for d, a in
+            identity["teachers"] = [teacher_identity(d, a) for d, a in
                                     zip(self.teachers.datasets, self.dataset.teachers.alignments)]
             identity["combine"] = {"how": self.dataset.teachers.combine, "weights": self.dataset.teachers.weights,
                                    "missing_documents": self.teachers.missing_rule}
@@ -693,7 +722,7 @@ class StudentData:
         return out
 
 
-def _teacher_identity(dataset: ScoredDataset, alignment: AlignmentConfig) -> dict:
+def teacher_identity(dataset: ScoredDataset, alignment: AlignmentConfig) -> dict:
     """One teacher's part of a several-teacher data identity, without where its folders are."""
     return {
         "teacher": dataset.teacher,
@@ -717,7 +746,7 @@ def build_student_data(
 ) -> StudentData:
     """Measure, plan and wrap a scored dataset as packed samples for one student tokenizer.
 
-    ``scored`` is one teacher's dataset, or one per teacher (:func:`pipeline.train_student.several_teachers.open_teachers`):
+    ``scored`` is one teacher's dataset, or one per teacher (:func:`pipeline.several_teachers.open_teachers`):
     several are matched document by document and combined per ``alignment.combine`` (§2.6)."""
     if not isinstance(scored, ScoredDataset):
         if len(scored) > 1:

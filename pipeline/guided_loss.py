@@ -1,13 +1,29 @@
-"""Teacher-guided token selection and loss for one (micro-)batch (docs/METHOD.md §2.2, §2.3).
+"""The teacher-guided loss of one (micro-)batch, for any trainer (docs/METHOD.md §2.2, §2.3).
 
-Inputs per position, already aligned (position ``t`` carries the target predicted from the logits
-at ``t``; no shift here): the student's logits or per-token cross-entropy ``l_s``, the label
-(``-100`` ignored), the aggregated teacher loss ``L_t`` (NaN where unmapped) and the mapped flag.
-``mode`` is ``guided`` (top ``ceil(ratio * n_mapped)`` by ``l_s - L_t``), ``random`` (as many,
-drawn uniformly) or ``cpt`` (every valid token). The loss is the mean of ``l_s`` over the trained
-tokens, per call, so per micro-batch under gradient accumulation. The selection needs no host
-synchronisation (ranks come from a sort, ``k`` stays a tensor), so it can run every step on an
-accelerator; :class:`SelectionStats` holds 0-dim tensors that the trainer converts when it logs.
+Needs torch only. Give it, per position, what the student predicts and what the teacher thought of
+the same target; it returns the loss to back-propagate and the statistics of the selection::
+
+    from pipeline.guided_loss import SelectionConfig, guided_loss
+
+    loss, stats = guided_loss(logits, labels, teacher_loss)           # (B, T, V), (B, T), (B, T)
+    loss, stats = guided_loss(per_token_ce, labels, teacher_loss)      # or the student's (B, T) losses
+
+* ``logits`` (B, T, V) or the student's per-token cross-entropy ``l_s`` (B, T); position ``t``
+  predicts ``labels[:, t]`` (no shift here: shift before calling, as ``logits[:, :-1]`` against
+  ``labels[:, 1:]``), ``-100`` where ignored (or give ``valid``, a (B, T) bool mask, instead).
+* ``teacher_loss`` (B, T): the teacher's loss ``L_t`` of each target, aligned to the student's tokens
+  (``make export-student`` writes it beside the token ids, ``teacher_loss[t]`` being the loss of token
+  ``t``: shift it with the labels), NaN where no teacher token maps (such tokens are *unmapped*).
+* ``SelectionConfig``: ``mode`` ``guided`` (the top ``ceil(ratio * n_mapped)`` by the excess loss
+  ``l_s - L_t``), ``random`` (as many, drawn uniformly with ``generator``) or ``cpt`` (every token);
+  ``ratio``; ``rank_over`` ``batch`` (one ranking over the micro-batch, as Rho-1) or ``sequence``;
+  ``unmapped`` ``include`` (always trained) or ``exclude``.
+
+The loss is the mean of ``l_s`` over the trained tokens, per call: under gradient accumulation the
+selection is per micro-batch, as in ``make train-student``, whose Trainer calls this same function.
+The selection needs no host synchronisation (ranks come from a sort, ``k`` stays a tensor), so it
+can run every step on an accelerator; :class:`SelectionStats` holds 0-dim tensors to convert when
+logging. Recipes for Hugging Face, a plain loop and Megatron: docs/export.md.
 """
 
 from __future__ import annotations
@@ -170,67 +186,72 @@ def _generator_device(generator: torch.Generator | None, like: torch.Tensor) -> 
     return generator.device if generator is not None else like.device
 
 
+@dataclass(frozen=True)
+class GuidedLoss:
+    """What :func:`guided_loss` returns. Unpacks as ``loss, stats``; the per-token pieces the loss
+    was computed from, (B, T) each, are there for further statistics (per-teacher metrics, §2.6)."""
+
+    loss: torch.Tensor  # 0-dim, with gradient into the trained tokens only
+    stats: SelectionStats
+    token_loss: torch.Tensor  # l_s, detached
+    valid: torch.Tensor  # bool: label not ignored
+    selected: torch.Tensor  # bool: the mapped tokens chosen (every trained token is selected or unmapped)
+
+    def __iter__(self):
+        return iter((self.loss, self.stats))
+
+
 def guided_loss(
     logits_or_token_loss: torch.Tensor,
-    labels: torch.Tensor,
+    labels: torch.Tensor | None,
     teacher_loss: torch.Tensor | None = None,
     mapped: torch.Tensor | None = None,
     config: SelectionConfig = SelectionConfig(),
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, SelectionStats]:
-    """Selected-token loss of a micro-batch and its statistics.
+    *,
+    valid: torch.Tensor | None = None,
+) -> GuidedLoss:
+    """Selected-token loss of a micro-batch and its statistics (module docstring).
 
     Args:
         logits_or_token_loss: student logits (B, T, V) or per-token cross-entropy (B, T).
-        labels: (B, T) target ids aligned with the logits, ``-100`` where ignored.
+        labels: (B, T) target ids aligned with the logits, ``-100`` where ignored. May be None with
+            per-token losses when ``valid`` says which positions count.
         teacher_loss: (B, T) float ``L_t``, NaN where unmapped (unused for ``cpt``).
-        mapped: (B, T) bool; a mapped position whose ``L_t`` is NaN is treated as unmapped.
+        mapped: (B, T) bool; None: where ``teacher_loss`` is not NaN. A mapped position whose
+            ``L_t`` is NaN is treated as unmapped.
         config: :class:`SelectionConfig`.
         generator: torch.Generator for ``random`` mode (on the device the noise is drawn on).
+        valid: (B, T) bool, the positions that count; None: ``labels != -100``.
 
     Returns:
-        ``(loss, stats)``: ``loss`` is the mean of ``l_s`` over the trained tokens. When no token
-        is trained (no valid token, or ``exclude`` with nothing mapped) it is a zero that still has
-        a ``grad_fn`` connected to the logits, so ``backward()`` works and gives zero gradients.
+        :class:`GuidedLoss`, unpacking as ``(loss, stats)``: ``loss`` is the mean of ``l_s`` over the
+        trained tokens. When no token is trained (no valid token, or ``exclude`` with nothing
+        mapped) it is a zero that still has a ``grad_fn`` connected to the input, so
+        ``backward()`` works and gives zero gradients.
     """
-    selection = guided_selection(logits_or_token_loss, labels, teacher_loss, mapped, config, generator)
-    return selection.loss, selection.stats
-
-
-@dataclass(frozen=True)
-class GuidedSelection:
-    """:func:`guided_loss`'s result with the per-token pieces it was computed from, (B, T) each."""
-
-    loss: torch.Tensor
-    stats: SelectionStats
-    token_loss: torch.Tensor  # l_s, detached
-    valid: torch.Tensor
-    selected: torch.Tensor  # the mapped tokens chosen
-
-
-def guided_selection(
-    logits_or_token_loss: torch.Tensor,
-    labels: torch.Tensor,
-    teacher_loss: torch.Tensor | None = None,
-    mapped: torch.Tensor | None = None,
-    config: SelectionConfig = SelectionConfig(),
-    generator: torch.Generator | None = None,
-) -> GuidedSelection:
-    """:func:`guided_loss`, also returning the masks (for per-teacher metrics, §2.6)."""
     if logits_or_token_loss.dim() == 3:
+        if labels is None:
+            raise ValueError("logits need labels")
         token_loss = token_cross_entropy(logits_or_token_loss, labels)  # (B, T)
     elif logits_or_token_loss.dim() == 2:
         token_loss = logits_or_token_loss.float()  # (B, T)
     else:
         raise ValueError("expected logits (B, T, V) or per-token losses (B, T)")
-    if labels.shape != token_loss.shape:
-        raise ValueError(f"labels {tuple(labels.shape)} do not match {tuple(token_loss.shape)}")
-
-    valid = labels != IGNORE_INDEX  # (B, T)
+    if valid is None:
+        if labels is None:
+            raise ValueError("give labels (-100 where ignored) or a valid mask")
+        if labels.shape != token_loss.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} do not match {tuple(token_loss.shape)}")
+        valid = labels != IGNORE_INDEX  # (B, T)
+    elif valid.shape != token_loss.shape:
+        raise ValueError(f"valid {tuple(valid.shape)} does not match {tuple(token_loss.shape)}")
+    if teacher_loss is not None and mapped is None:
+        mapped = ~torch.isnan(teacher_loss)
     trained, selected = select_tokens(token_loss, valid, teacher_loss, mapped, config, generator)
     loss = _mean_with_grad(token_loss, trained)
     stats = _stats(token_loss.detach(), valid, trained, selected, teacher_loss, mapped)
-    return GuidedSelection(loss, stats, token_loss.detach(), valid, selected)
+    return GuidedLoss(loss, stats, token_loss.detach(), valid, selected)
 
 
 def _stats(token_loss, valid, trained, selected, teacher_loss, mapped) -> SelectionStats:
