@@ -71,7 +71,7 @@ from pipeline.train_student.trainer import (
     NonFiniteLossError,
 )
 from storage_schemas import filesystem as sfs
-from storage_schemas.reader import ON_BAD_SHARD, VERIFY
+from storage_schemas.reader import ON_BAD_SHARD, VERIFY, ScoredDataset, ScoredFolder
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,11 @@ class DataConfig:
     length_workers: int = 1  # processes for the one-off token count pass
     missing_documents: str = "refuse"  # several teachers: a document one lacks is refused | unmapped for it
     token_ratio_bound: float = 1.25  # student tokens per teacher token assumed at most, before the count
+    held_out_shards: int = 0  # the last N planned shards of the first folder are never trained on (eval-student's held-out text)
 
     def problems(self) -> list[str]:
         found: list[str] = []
+        check_at_least(found, "held_out_shards", self.held_out_shards, 0)
         check_choice(found, "on_bad_shard", self.on_bad_shard, ON_BAD_SHARD)
         check_choice(found, "missing_documents", self.missing_documents, MISSING_RULES)
         if not self.token_ratio_bound > 0:
@@ -195,6 +197,7 @@ class TrainJobConfig:
         data = {k: v for k, v in asdict(self.data).items()
                 if k not in ("folders", "num_workers", "prefetch_factor", "length_workers", "cache_dir",
                              "missing_documents",  # several teachers: in the data identity
+                             "held_out_shards",  # in the data identity (shards_held_out)
                              "token_ratio_bound")}
         train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL}
         student = {k: v for k, v in asdict(self.student).items() if k != "name"}
@@ -364,6 +367,8 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
     args.max_steps = _number_of_steps(job, data, world_size, accumulation, tokens_per_step)
     data.dataset.end = args.max_steps * job.train.micro_batch_size * world_size * accumulation  # samples trained
     identity = data.identity(fingerprint(tokenizer), _packing(job))
+    if job.data.held_out_shards:  # only then: the identity of every other run stays as it was
+        identity["shards_held_out"] = held_out_record(data.scored.folders[0], job.data.held_out_shards)
 
     if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
         lock.enter_context(exclusive_writer(job.output_dir, what="training run"))
@@ -421,11 +426,42 @@ def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData:
     """Open the scored folders, run ``check(scored)`` (before the token count), count and plan."""
     d = job.data
     scored = open_teachers(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
+    scored = hold_out(scored, d.held_out_shards)
     if check is not None:
         check(scored)
     return build_student_data(scored, tokenizer, _packing(job), job.alignment, cache_dir=d.cache_dir,
                               num_proc=d.length_workers, on_bad_shard=d.on_bad_shard,
                               missing_documents=d.missing_documents)
+
+
+def held_out_entries(folder: ScoredFolder, n: int) -> list[dict]:
+    """The manifest entries of the shards ``data.held_out_shards=n`` holds out: those of ``folder``
+    (the first of ``data.folders``) whose index is among its last ``n`` planned, so the choice does
+    not move while a partial scoring finishes."""
+    first = folder.n_shards_planned - n
+    return [e for e in folder.manifest.get("shards", []) if int(e.get("index", -1)) >= first]
+
+
+def held_out_record(folder: ScoredFolder, n: int) -> list[dict]:
+    """The data identity's ``shards_held_out``, in the form of its ``shards_used``."""
+    return [{"file": e["file"], "folder": 0, "sha256": e.get("sha256", ""), "rows": int(e.get("rows", 0))}
+            for e in held_out_entries(folder, n)]
+
+
+def hold_out(scored: list[ScoredDataset], n: int) -> list[ScoredDataset]:
+    """The opened teachers without the shards ``data.held_out_shards=n`` holds out (one teacher only)."""
+    if n == 0:
+        return scored
+    folder = scored[0].folders[0]
+    if len(scored) > 1:
+        raise ConfigError(f"data.held_out_shards: {n} with several teachers; hold shards out with one teacher "
+                          "(or leave held-out documents out of every teacher's corpus)")
+    held = {e["file"] for e in held_out_entries(folder, n)}
+    kept = [s for s in scored[0].shards if not (s.folder == 0 and sfs.name(s.path) in held)]
+    if not kept:
+        raise ConfigError(f"data.held_out_shards: {n} of the {folder.n_shards_planned} planned shards of {folder.path} "
+                          "leaves none to train on; hold out fewer")
+    return [replace(scored[0], shards=kept)]
 
 
 def _packing(job: TrainJobConfig) -> PackingConfig:
