@@ -167,3 +167,58 @@ def test_every_primary_config_composes_over_its_entry_points_defaults(primary):
     assert hasattr(module.main, "check"), f"{ENTRY_POINTS[primary]}.main is not an entry_point"
     cfg = _compose(primary, [])
     assert OmegaConf.to_container(cfg, resolve=False)
+
+
+# The first hour's mistakes, through the real command line: each ends before any work with the
+# project's own message listing every problem, exit 2, no traceback, nothing written.
+FIRST_HOUR = [
+    ("score_teacher", ["teacher.windw=256"],
+     ["teacher.windw: unknown key; did you mean teacher.window?"]),
+    ("score_teacher", ["+teacher.windw=256"],
+     ["teacher.windw: unknown key; did you mean window? (known: allow_bin, backend,"]),
+    ("score_teacher", ["teacher=llama2-7b", "teachr.window=3"],
+     ["teacher: 'llama2-7b' is not a preset; did you mean llemma-7b? (presets: deepseekmath-7b, llemma-7b,",
+      "teachr.window: unknown key"]),
+    ("score_teacher", ["teacher.stride=0", "scorer.max_batch_tokens=-1", "storage.encodings=tiny"],
+     ["teacher.stride: 0 must be >= 1", "scorer.max_batch_tokens: -1 must be >= 1",
+      "storage.encodings: 'tiny' is not one of default, compact"]),
+    ("train_student", ["loss.ratio=1.5", "train.max_steps=-3"],
+     ["loss.ratio: 1.5 is not in (0, 1]", "train.max_steps: -3 must be >= 1"]),
+    ("train_student", ["+loss.ratoi=0.2"],
+     ["loss.ratoi: unknown key; did you mean ratio? (known: aggregate, alignment, combine, mode, n_chunks, "
+      "rank_over, ratio, teacher_weights, unmapped)"]),
+    ("train_student", ["student=tinyllama", "train.lerning_rate=1"],
+     ["student: 'tinyllama' is not a preset; did you mean tinyllama-1.1b?", "train.lerning_rate: unknown key; "
+      "did you mean train.learning_rate?"]),
+]
+
+
+@pytest.mark.parametrize("stage, args, expected", FIRST_HOUR)
+def test_first_hour_mistakes_are_caught_before_any_work(stage, args, expected, tmp_path):
+    env = {**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", f"stages.{stage}", *args, f"hydra.run.dir={tmp_path}/logs",
+                             f"artifacts_dir={tmp_path}/artifacts", f"output_dir={tmp_path}/out"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Set the environment variable HYDRA_FULL_ERROR" not in result.stderr
+    for line in expected:
+        assert line in result.stderr, (line, result.stderr)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "artifacts").exists()
+
+
+def test_a_window_the_teacher_has_no_positions_for_is_refused_before_scoring(micro_teacher, micro_corpus, tmp_path):
+    """The micro teacher has 64 positions: window 100 is refused with the numbers, before any shard."""
+    files = ",".join(str(f) for f in micro_corpus)
+    env = {**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"}
+    common = ["teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}", "data.embedded=false",
+              "data.name=micro", f"data.files=[{files}]", f"output_dir={tmp_path}/out", f"hydra.run.dir={tmp_path}/logs"]
+    for extra, want in ((["teacher.window=100", "teacher.stride=null"],
+                         "teacher.window: 100 does not fit the 64 positions of"),
+                        (["teacher.window=64", "teacher.stride=64"],
+                         "teacher.stride: 64 must be < window (64)"),
+                        (["teacher.window=null", "teacher.stride=100"],
+                         "teacher.stride: 100 must be in [1, window - 1] = [1, 63]")):
+        result = subprocess.run([sys.executable, "-m", "stages.score_teacher", *common, *extra], cwd=REPO,
+                                capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 2 and want in result.stderr, (extra, result.stderr[-2000:])
+        assert not list((tmp_path / "out").glob("shard-*")), "nothing scored"

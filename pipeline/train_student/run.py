@@ -168,8 +168,12 @@ class TrainConfig:
         found: list[str] = []
         check_choice(found, "precision", self.precision, PRECISIONS)
         check_choice(found, "save_dtype", self.save_dtype, SAVE_DTYPES)
-        for name in ("micro_batch_size", "logging_steps", "save_steps", "max_nonfinite_in_a_row"):
+        for name in ("micro_batch_size", "logging_steps", "save_steps", "max_nonfinite_in_a_row", "max_steps",
+                     "max_tokens", "gradient_accumulation_steps", "global_batch_tokens", "save_total_limit"):
             check_at_least(found, name, getattr(self, name), 1)
+        check_at_least(found, "warmup_steps", self.warmup_steps, 0)
+        if not self.learning_rate > 0:
+            found.append(f"learning_rate: {self.learning_rate} must be > 0")
         if self.max_steps is not None and self.max_tokens is not None:
             found.append("max_steps: set max_steps or max_tokens, not both")
         if self.min_learning_rate > self.learning_rate:
