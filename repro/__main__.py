@@ -59,6 +59,9 @@ def score(study: ReproConfig, teachers: dict[str, Path], pairs: set[tuple[str, s
             f"teacher.model={teachers[teacher]}", f"teacher.name=repro-{teacher}", "teacher.embedded=false",
             f"data.name={data_name}", "data.embedded=false", f"data.files=[{corpus_files[corpus][0].parent}/*.parquet]",
             "data.rows_per_shard=100", f"output_dir={out}", "progress=false", "pool.num_cpus=2",
+            # the study was run with losses stored as computed; stage 1's default rounds them to
+            # bfloat16 (docs/storage-schema.md), which would change every figure of the report slightly
+            "storage.loss_precision=float32", "storage.encodings=default",
         ])
         t0 = time.perf_counter()
         summary = run_score_job(job_config(stage_cfg))
