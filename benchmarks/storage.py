@@ -75,9 +75,9 @@ def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.
 
     settings: list[dict] = []
     current = [
-        ("default", StorageConfig()),
-        ("default + bfloat16 losses", StorageConfig(loss_precision="bfloat16")),
-        ("compact", StorageConfig(encodings="compact")),
+        ("plain float32", StorageConfig(encodings="default", loss_precision="float32")),
+        ("plain + bfloat16 losses", StorageConfig(encodings="default", loss_precision="bfloat16")),
+        ("compact", StorageConfig(encodings="compact", loss_precision="float32")),
         ("compact + bfloat16 losses", StorageConfig(encodings="compact", loss_precision="bfloat16")),
         ("compact + float16 losses", StorageConfig(encodings="compact", loss_precision="float16")),
     ]
@@ -102,13 +102,13 @@ def run(cfg: StorageBenchConfig, work_dir: str | os.PathLike, dataset: str | os.
         "shards": len(shards), "documents": sum(len(d) for _, d in shards), "tokens": tokens,
         "settings": settings,
     }
-    default = by_name["default"]
+    default = by_name["plain float32"]
     others = "; ".join(f"{s['name']}: {s['bytes_per_token']:.2f} (write {s['write_s']:.1f} s)"
                        for s in settings if s is not best and s is not default)
     result["object_store"] = object_store_cost(shards, manifest, out_root, cfg.object_store_repeats)
     shutil.rmtree(out_root, ignore_errors=True)
     result["figures"] = [
-        figure("storage_default", "storage, default (bytes/teacher token)", default["bytes_per_token"], unit="B",
+        figure("storage_default", "storage, plain float32 (bytes/teacher token)", default["bytes_per_token"], unit="B",
                note=_columns_note(default, tokens, result) + f"; write {default['write_s']:.1f} s"),
         figure("storage_compact", "storage, compact (best compact setting, default zstd level)", best["bytes_per_token"],
                cfg.target, "<=", unit="B",
