@@ -11,7 +11,7 @@ Losses are float32 log-softmax (whatever the model's dtype), summed per text in 
 
 :func:`summarize` gives the statistics the reproduction reports: bits per byte overall (total bits
 over total bytes), nats per token, and the per-document bits per byte with its mean and a 95%
-Student-t interval over documents (:func:`t_quantile`, the closed form of ``repro/stats.py``).
+Student-t interval over documents (:mod:`pipeline.student_t`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from pipeline.student_t import t_quantile
 
 LEVEL = 0.95  # two-sided confidence level of the interval over documents
 
@@ -106,44 +108,3 @@ def summarize(losses: Sequence[TextLoss], level: float = LEVEL) -> dict:
         "document_ci": interval,
         "level": level,
     }
-
-
-# ---- Student's t, as repro/stats.py computes it (no scipy) -------------------------------------
-
-
-def t_central(t: float, df: int) -> float:
-    """``P(|T| <= t)`` for Student's t with ``df`` degrees of freedom (Abramowitz & Stegun 26.7.3-4)."""
-    if df < 1 or int(df) != df:
-        raise ValueError(f"degrees of freedom {df!r}: a positive integer is needed")
-    if math.isinf(t):
-        return 1.0
-    theta = math.atan(abs(t) / math.sqrt(df))
-    s, c = math.sin(theta), math.cos(theta)
-    term = total = 1.0
-    if df % 2 == 1:
-        if df == 1:
-            return 2.0 * theta / math.pi
-        for k in range(2, df - 1, 2):
-            term *= k / (k + 1) * c * c
-            total += term
-        return 2.0 / math.pi * (theta + s * c * total)
-    for k in range(1, df - 2, 2):
-        term *= k / (k + 1) * c * c
-        total += term
-    return s * total
-
-
-def t_quantile(level: float, df: int) -> float:
-    """The ``t`` with ``P(|T| <= t) = level`` (0.95: the 97.5% quantile), to 1e-10, by bisection."""
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level {level} is not in (0, 1)")
-    lo, hi = 0.0, 1.0
-    while t_central(hi, df) < level:
-        hi *= 2.0
-    while hi - lo > 1e-10 * max(1.0, hi):
-        mid = 0.5 * (lo + hi)
-        if t_central(mid, df) < level:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)

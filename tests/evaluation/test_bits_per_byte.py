@@ -17,8 +17,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from pipeline.evaluation.bits_per_byte import TextLoss, summarize, t_quantile, text_losses
+from pipeline.evaluation.bits_per_byte import TextLoss, summarize, text_losses
 from pipeline.evaluation.held_out import HeldOutText, HeldOutTextError, read_documents, text_digest
+from pipeline.student_t import t_quantile
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ["<s>", "</s>", "<unk>", "the", "answer", "is", "=", "+", "1", "2", "3", ".", "x", "Solution:", "é"]
