@@ -19,7 +19,13 @@ import pytest
 
 from pipeline.folder_lock import LOCK_NAME, DatasetBusyError, exclusive_writer
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
-from pipeline.score_teacher.writer import finished_shards, prepare_output, remove_unreferenced, write_shard
+from pipeline.score_teacher.writer import (
+    StorageConfig,
+    finished_shards,
+    prepare_output,
+    remove_unreferenced,
+    write_shard,
+)
 from storage_schemas import filesystem as sfs
 from storage_schemas import marker_of, read_manifest
 from storage_schemas.reader import BadShardError, open_scored_dataset
@@ -60,7 +66,8 @@ IDENTITY = {"format": 2, "teacher": {"name": "t"}, "windows": {"window": 8, "str
 
 
 def _write(folder: str, index: int, seed: int = 0) -> dict:
-    return write_shard(folder, index, ShardResult(documents=_docs(seed)), IDENTITY, {"file": "c.parquet"}, "test")
+    return write_shard(folder, index, ShardResult(documents=_docs(seed)), IDENTITY, {"file": "c.parquet"}, "test",
+                       storage=StorageConfig(loss_precision="float32"))  # the bits compared below are the written ones
 
 
 def test_a_shard_is_one_attempt_object_and_its_marker_names_size_and_sha256(s3_server):

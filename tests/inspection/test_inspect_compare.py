@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.inspection.parity import compare_folders, context_starts, flat_student_selection
 from pipeline.score_teacher.teacher import ShardResult
-from pipeline.score_teacher.writer import write_manifest, write_shard
+from pipeline.score_teacher.writer import StorageConfig, write_manifest, write_shard
 from storage_schemas.reader import ScoredDataset, ScoredDocument
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,8 +25,9 @@ def folder(path: Path, docs: list[ScoredDocument], window: int = 8, stride: int 
     identity = {"teacher": {"name": "t", "bos_id": 1 if bos else None}, "corpus": {"name": "c"},
                 "windows": {"window": window, "stride": stride, "min_left_context": window - stride}}
     path.mkdir(parents=True)
-    done = {0: write_shard(path, 0, ShardResult(documents=docs[:2]), identity, {"index": 0}, "t"),
-            1: write_shard(path, 1, ShardResult(documents=docs[2:]), identity, {"index": 1}, "t")}
+    exact = StorageConfig(loss_precision="float32")  # the losses as given: differences are the test's own
+    done = {0: write_shard(path, 0, ShardResult(documents=docs[:2]), identity, {"index": 0}, "t", storage=exact),
+            1: write_shard(path, 1, ShardResult(documents=docs[2:]), identity, {"index": 1}, "t", storage=exact)}
     write_manifest(path, identity, done, 2, "t")
     return path
 
