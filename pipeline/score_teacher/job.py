@@ -43,6 +43,7 @@ from pipeline.model_source import looks_local
 from pipeline.provenance import code_version, is_local_model, model_identity
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
+from pipeline.score_teacher.backends.server import ApiKey, ServedTeacher, api_key, check_server, share_in_flight
 from pipeline.score_teacher.backends.vllm import engine_args, engine_window
 from pipeline.score_teacher.corpus import (
     CorpusConfig,
@@ -260,6 +261,9 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         trust_remote_code=cfg.teacher.trust_remote_code,
     )
     window = plan_window(cfg.teacher, cfg.scorer.backend, _context_length(cfg.teacher))
+    served = _check_served(cfg, tokenizer) if cfg.scorer.backend == "server" else None
+    if served is not None:
+        window = served.fit_window(window, chosen=cfg.teacher.window is not None)
     stride = window // 2 if cfg.teacher.stride is None else cfg.teacher.stride
     if not 1 <= stride < window:
         raise ConfigError(f"teacher.stride: {stride} must be in [1, window - 1] = [1, {window - 1}] "
@@ -268,6 +272,8 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
     scorer = ScorerConfig(**{**asdict(cfg.scorer), "model": cfg.teacher.model, "revision": cfg.teacher.revision,
                              "trust_remote_code": cfg.teacher.trust_remote_code, "window": window,
                              "allow_bin": cfg.teacher.allow_bin})
+    if served is not None:
+        scorer = replace(scorer, url=served.url, served_model=served.name)
     if scorer.backend == "vllm":
         engine_args(scorer)  # refuse settings the engine would refuse, before Ray starts
     identity = {
@@ -285,8 +291,16 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         "loss_precision": cfg.storage.loss_precision,
         "corpus": corpus_identity(cfg.corpus, sources, shards),
     }
-    return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings,
-                    location=_location(cfg.teacher, sources))
+    location = _location(cfg.teacher, sources)
+    if served is not None:  # what the server reports; its host, never the key (docs/served-teacher.md)
+        identity["teacher"]["served"] = served.identity()
+        location.update(served.location())
+    return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings, location=location)
+
+
+def _check_served(cfg: ScoreJobConfig, tokenizer) -> ServedTeacher:
+    """The served teacher's checks before any work (:func:`check_server`)."""
+    return check_server(cfg.scorer, cfg.teacher.model, tokenizer, bos_token_id(tokenizer), api_key(cfg.scorer))
 
 
 def _location(teacher: TeacherConfig, sources: list[SourceFile]) -> dict:
@@ -341,8 +355,10 @@ class ShardScorer:
     each shard's marker which node scored it and on which try. Creating one is cheap, so that its
     first answer (``describe()``) says it was placed; ``load()`` then loads the teacher."""
 
-    def __init__(self, prepared: Prepared, teacher: TeacherConfig, cfg: ScoreJobConfig, version: str):
+    def __init__(self, prepared: Prepared, teacher: TeacherConfig, cfg: ScoreJobConfig, version: str,
+                 key: ApiKey | None = None):
         self.prepared = prepared
+        self.key = key  # the served teacher's API key (server backend), never written
         self.teacher = teacher
         self.cfg = cfg
         self.version = version
@@ -357,7 +373,7 @@ class ShardScorer:
             teacher = self.teacher
             self.tokenizer = load_tokenizer(teacher.tokenizer or teacher.model, revision=teacher.revision,
                                             trust_remote_code=teacher.trust_remote_code)
-            self.scorer = make_scorer(self.prepared.scorer)
+            self.scorer = make_scorer(self.prepared.scorer, self.key)
         return self.describe()
 
     def score_shard(self, spec: ShardSpec, attempt: int = 1) -> dict:
@@ -491,6 +507,11 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
         if len(nodes) > 1 or cfg.ray.address:
             check_nodes_see(nodes, _local_inputs(cfg, prepared, pending), _local_output(cfg.output_dir), env)
         n_actors = min(len(pending), num_actors(cfg.pool, nodes))
+        if prepared.scorer.backend == "server":  # at most scorer.max_in_flight requests in flight in all
+            n_actors = min(n_actors, prepared.scorer.max_in_flight)
+            cfg = replace(cfg, pool=replace(cfg.pool, num_actors=n_actors))
+            prepared = replace(prepared, scorer=share_in_flight(prepared.scorer, n_actors))
+        key = api_key(prepared.scorer)
         actor_cls = ray.remote(ShardScorer).options(  # the pool replaces dead actors, not Ray (ScorerPool)
             num_gpus=cfg.pool.num_gpus,
             num_cpus=cfg.pool.num_cpus,
@@ -519,7 +540,7 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
             progress(run)
 
         try:
-            return run_shards(lambda: actor_cls.remote(prepared, cfg.teacher, cfg, version), pending, cfg.pool,
+            return run_shards(lambda: actor_cls.remote(prepared, cfg.teacher, cfg, version, key), pending, cfg.pool,
                               on_scored=scored, on_failed=lambda failure, run: progress(run),
                               on_status=bar.set_description_str)
         finally:

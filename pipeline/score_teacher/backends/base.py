@@ -13,16 +13,16 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from pipeline.config import check_choice
+from pipeline.config import check_at_least, check_choice
 
-BACKENDS = ("transformers", "vllm")
+BACKENDS = ("transformers", "vllm", "server")
 
 
 @dataclass(frozen=True)
 class ScorerConfig:
     """How the teacher is run (docs/METHOD.md §1.2); model, revision and window come from the teacher."""
 
-    backend: str = "transformers"  # transformers | vllm
+    backend: str = "transformers"  # transformers | vllm | server
     model: str = ""  # hub id or local folder
     revision: str | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -40,10 +40,33 @@ class ScorerConfig:
     max_num_seqs: int = 256  # requests per engine step; max_num_batched_tokens must be >= this
     tensor_parallel_size: int = 1
     seed: int = 0
+    # server backend: a teacher already served (docs/served-teacher.md); the API key is read from the
+    # environment variable api_key_env in the driver and never written anywhere
+    url: str | None = None  # http(s)://host:port of an OpenAI-compatible server (vLLM's)
+    served_model: str | None = None  # the name it serves the teacher under; None: the entry named teacher.model
+    api_key_env: str = "VOCAGNO_SERVER_KEY"  # unset or empty: requests carry no key
+    in_flight_per_actor: int = 8  # requests one actor keeps in flight
+    max_in_flight: int = 64  # requests all actors keep in flight together (at most this many actors)
+    request_timeout_s: float = 120.0  # for one request's answer
+    retry_for_s: float = 300.0  # a window still failing this long after its first failure stops the job
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "backend", self.backend, BACKENDS)
+        found += self._server_problems()
+        return found
+
+    def _server_problems(self) -> list[str]:
+        found: list[str] = []
+        if self.backend == "server" and not self.url:
+            found.append("url: required with backend=server: http://host:port of the server")
+        elif self.url and not str(self.url).startswith(("http://", "https://")):
+            found.append(f"url: {self.url!r} must start with http:// or https://")
+        check_at_least(found, "in_flight_per_actor", self.in_flight_per_actor, 1)
+        check_at_least(found, "max_in_flight", self.max_in_flight, 1)
+        for key in ("request_timeout_s", "retry_for_s"):
+            if getattr(self, key) <= 0:
+                found.append(f"{key}: {getattr(self, key)} must be > 0")
         return found
 
 
