@@ -139,12 +139,18 @@ def test_all_stage2_config_problems_are_reported_at_once():
     ("score_teacher", STAGE1_ERRORS, STAGE1_EXPECTED), ("train_student", STAGE2_ERRORS, STAGE2_EXPECTED)])
 def test_a_stage_with_several_config_errors_exits_2_listing_each(stage, errors, expected, tmp_path):
     """The entry point itself: exit code 2, every problem on stderr, no traceback, nothing written."""
+    assert_refused_before_any_work(stage, errors, expected, tmp_path)
+
+
+def assert_refused_before_any_work(stage: str, args: list[str], expected: list[str], tmp_path: Path) -> None:
+    """``python -m stages.<stage> <args>`` exits 2 with each ``expected`` line on stderr, no
+    traceback nor Hydra's own error text, and creates neither output nor artifacts."""
     env = {**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", f"stages.{stage}", *errors, f"hydra.run.dir={tmp_path}/logs",
+    result = subprocess.run([sys.executable, "-m", f"stages.{stage}", *args, f"hydra.run.dir={tmp_path}/logs",
                              f"artifacts_dir={tmp_path}/artifacts", f"output_dir={tmp_path}/out"],
                             cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and "Set the environment variable HYDRA_FULL_ERROR" not in result.stderr
     for line in expected:
         assert line in result.stderr, (line, result.stderr)
     assert not (tmp_path / "out").exists() and not (tmp_path / "artifacts").exists()
@@ -195,15 +201,7 @@ FIRST_HOUR = [
 
 @pytest.mark.parametrize("stage, args, expected", FIRST_HOUR)
 def test_first_hour_mistakes_are_caught_before_any_work(stage, args, expected, tmp_path):
-    env = {**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", f"stages.{stage}", *args, f"hydra.run.dir={tmp_path}/logs",
-                             f"artifacts_dir={tmp_path}/artifacts", f"output_dir={tmp_path}/out"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and "Set the environment variable HYDRA_FULL_ERROR" not in result.stderr
-    for line in expected:
-        assert line in result.stderr, (line, result.stderr)
-    assert not (tmp_path / "out").exists() and not (tmp_path / "artifacts").exists()
+    assert_refused_before_any_work(stage, args, expected, tmp_path)
 
 
 def test_a_window_the_teacher_has_no_positions_for_is_refused_before_scoring(micro_teacher, micro_corpus, tmp_path):
