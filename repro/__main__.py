@@ -114,7 +114,8 @@ def main(cfg: DictConfig) -> None:
     from repro.teachers_report import write_teachers_report
 
     quiet_libraries()
-    study = study_config(cfg)
+    design = study_config(cfg)
+    study = design.as_pilot() if design.pilot else design
     load_at_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared: say how busy it was
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -147,6 +148,9 @@ def main(cfg: DictConfig) -> None:
     bar.close()
     if not results:
         raise SystemExit("report_only: no finished run to report")
+    if study.pilot:
+        write_pilot(results, design, Path(to_absolute_path(study.report_dir)), started, t0, load_at_start)
+        return
     baselines = {name: base_scores(folder, corpora.held_out, study) for name, folder in students.items()}
     diagnosis = {}
     if study.diagnose.teacher in teachers and (study.diagnose.teacher, MAIN_CORPUS) in scored:
@@ -184,6 +188,32 @@ def main(cfg: DictConfig) -> None:
               f"{several['default_choice']['reason']} ({Path(study.report_dir) / 'teachers.md'})")
     print(f"report: {Path(study.report_dir) / 'report.md'}, summary: {Path(study.report_dir) / 'summary.md'} "
           f"({setup['seconds'] / 60:.1f} min)")
+
+
+def write_pilot(results: list[dict], design: ReproConfig, report_dir: Path, started: str, t0: float,
+                load_at_start: list[float]) -> None:
+    """``pilot.json`` (:mod:`repro.power`): the pilot's differences, sds and the seeds they ask for."""
+    from repro.power import pilot_record
+
+    sized = design.power.sized
+    pending = {name for name, s in sized.items() if any(v is None for v in s.pilot_sd.values())}
+    arms_of = {name: [a for a, arm in design.arms.items() if arm.seeds == name] for name in sized}
+    other = sum(len(design.seed_sets.get(arm.seeds, [])) for arm in design.arms.values() if arm.seeds not in pending)
+    limits = {}
+    for name in pending:  # a comparison pairs seeds: a set can use no more seeds than the other arm's set has
+        partners = {design.arms[x].seeds for a, b in sized[name].comparisons() for x in (a, b)} - {name}
+        if partners:
+            limits[name] = min(len(design.seed_sets[p]) for p in partners)
+    record = pilot_record(results, design, {n: len(a) for n, a in arms_of.items()}, other, limits)
+    record["setup"] = {"started": started, "seconds": round(time.perf_counter() - t0, 1),
+                       "machine": f"{platform.machine()}, {_cpus()} CPU cores", "load_average_at_start": load_at_start,
+                       "load_average_at_end": [round(x, 2) for x in os.getloadavg()], "n_runs": len(results)}
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "pilot.json").write_text(json.dumps(record, indent=1) + "\n")
+    for name, s in record["sets"].items():
+        print(f"{name}: seeds needed {s['seeds_needed']}" + (f", allotted {s['seeds_allotted']}" if "seeds_allotted" in s else "")
+              + "; " + ", ".join(f"{k}: sd {c['sd']:.4f} -> {c['seeds_needed']}" for k, c in s["comparisons"].items() if c))
+    print(f"pilot: {report_dir / 'pilot.json'}")
 
 
 def base_scores(folder: Path, held_out: list[str], study: ReproConfig) -> dict:

@@ -74,22 +74,46 @@ class DiagnoseConfig:
 
 
 @dataclass(frozen=True)
-class PowerConfig:
-    """The pilot that sized the main seed set, and what the report says about it."""
+class SizedSet:
+    """A seed set sized by the power rule (repro/report.py ``seeds_needed``): the claims it decides,
+    the effect each of their comparisons should detect (stated before its pilot ran), and the
+    pilot's sd of each comparison's seed-paired differences (null until the pilot has run)."""
 
-    pilot_sd: float  # sd of the pilot's paired differences (bits/byte)
-    pilot_seeds: int
-    pilot_note: str
-    delta: float  # bits/byte the main comparison should detect
-    power: float
+    claims: list[int]
+    delta: float  # bits/byte every comparison of these claims should detect with the stated power
+    pilot_sd: dict[str, float | None]  # "A - B" (arm names) -> sd of the pilot's paired differences
+    pilot_seeds: list[int]  # the seeds the pilot ran (never a seed of any seed set)
+    pilot_note: str = ""  # what the pilot was, in words
+    fits: int | None = None  # seeds the study's time allows for this set (null: no cap); the report says when the rule asked more
+
+    def comparisons(self) -> list[tuple[str, str]]:
+        return [tuple(key.split(" - ", 1)) for key in self.pilot_sd]  # type: ignore[misc]
+
+    def problems(self) -> list[str]:
+        problems = [] if self.delta > 0 else [f"delta: {self.delta} must be > 0"]
+        problems += [f"pilot_sd.{key}: not of the form 'A - B' (two arm names)" for key in self.pilot_sd
+                     if len(key.split(" - ")) != 2]
+        problems += [f"pilot_sd.{key}: {sd} must be > 0 (or null before the pilot)" for key, sd in self.pilot_sd.items()
+                     if sd is not None and not (isinstance(sd, (int, float)) and sd > 0)]
+        if self.fits is not None:
+            check_at_least(problems, "fits", self.fits, 2)
+        return problems
+
+
+@dataclass(frozen=True)
+class PowerConfig:
+    """How the seed sets were sized (the pilots, the effect sizes, the power) and what the report
+    says about when the settings were fixed."""
+
+    power: float  # the probability of a "holds" the sizing aims at when the true difference is delta
+    sized: dict[str, SizedSet]  # seed set name -> its sizing
+    max_runs: int | None = None  # student runs the default study's time allows (the pilot's allotment, repro/power.py)
     settings_note: str | None = None  # when the settings were fixed (None: the report says nothing)
 
     def problems(self) -> list[str]:
-        problems = [f"{name}: {getattr(self, name)} must be > 0" for name in ("pilot_sd", "delta")
-                    if getattr(self, name) <= 0]
-        check_at_least(problems, "pilot_seeds", self.pilot_seeds, 2)
-        if not 0.0 < self.power < 1.0:
-            problems.append(f"power: {self.power} is not in (0, 1)")
+        problems = [] if 0.0 < self.power < 1.0 else [f"power: {self.power} is not in (0, 1)"]
+        if self.max_runs is not None:
+            check_at_least(problems, "max_runs", self.max_runs, 1)
         return problems
 
 
@@ -112,6 +136,7 @@ class ReproConfig:
     report_dir: str = "repro-results"  # report.md, report.json, summary.md, the plots (committed)
     parallel: int = 2  # student runs at once (one CPU thread each)
     report_only: bool = False  # train nothing, report the runs already finished (marked partial)
+    pilot: bool = False  # run the sized seed sets' arms on their pilot seeds only and write pilot.json (repro/power.py)
 
     def corpora(self) -> list[str]:
         return [MAIN_CORPUS, *self.student_corpora]
@@ -122,6 +147,26 @@ class ReproConfig:
     def arms_to_run(self) -> dict[str, ArmConfig]:
         """The arms whose seed set is not empty."""
         return {name: arm for name, arm in self.arms.items() if self.seed_sets.get(arm.seeds)}
+
+    def as_pilot(self) -> "ReproConfig":
+        """The pilot: every sized seed set replaced by its pilot seeds, every other set emptied."""
+        sets = {name: list(self.power.sized[name].pilot_seeds) if name in self.power.sized else []
+                for name in self.seed_sets}
+        return dataclasses.replace(self, seed_sets=sets)
+
+    def _power_problems(self) -> list[str]:
+        problems: list[str] = []
+        used = {s for seeds in self.seed_sets.values() if isinstance(seeds, (list, tuple)) for s in seeds}
+        for name, sized in self.power.sized.items():
+            where = f"power.sized.{name}"
+            if name not in self.seed_sets:
+                problems.append(f"{where}: not a seed set (one of {', '.join(self.seed_sets)})")
+            for a, b in sized.comparisons():
+                problems += [f"{where}.pilot_sd.{a} - {b}: {x!r} is not an arm" for x in (a, b) if x not in self.arms]
+            if set(sized.pilot_seeds) & used:
+                problems.append(f"{where}.pilot_seeds: {sorted(set(sized.pilot_seeds) & used)} also in a seed set; "
+                                "a pilot's seeds are never the study's")
+        return problems
 
     def problems(self) -> list[str]:
         problems: list[str] = []
@@ -141,6 +186,7 @@ class ReproConfig:
                 problems.append(f"student_corpora.{name}: noise share {share} is not in [0, 1]")
         if MAIN_CORPUS in self.student_corpora:
             problems.append(f"student_corpora.{MAIN_CORPUS}: the name of the corpus section's corpus; use another")
+        problems += self._power_problems()
         check_choice(problems, "diagnose.teacher", self.diagnose.teacher, self.teachers)
         check_at_least(problems, "train_steps", self.train_steps, 1)
         check_at_least(problems, "parallel", self.parallel, 1)
@@ -149,6 +195,7 @@ class ReproConfig:
 
 # Fields holding a mapping of name -> typed entry, built entry by entry (the name is the key).
 NAMED = {"teachers": TeacherSpec, "students": StudentSpec, "arms": ArmConfig}
+NAMED_IN = {("power", "sized"): SizedSet}  # the same, one level down
 
 
 def study_config(values: Mapping[str, Any]) -> ReproConfig:
@@ -163,6 +210,9 @@ def study_config(values: Mapping[str, Any]) -> ReproConfig:
     for key, cls in NAMED.items():
         if isinstance(values.get(key), Mapping):
             values[key] = _named(cls, values[key], key, problems)
+    for (outer, key), cls in NAMED_IN.items():
+        if isinstance(values.get(outer), Mapping) and isinstance(values[outer].get(key), Mapping):
+            values[outer] = {**values[outer], key: _named(cls, values[outer][key], f"{outer}.{key}", problems)}
     typed = build(ReproConfig, values, "", problems)
     raise_if(problems)
     return typed

@@ -388,25 +388,76 @@ def diagnosis_markdown(diagnosis: dict) -> str:
     return "\n".join(lines)
 
 
+def detectable_difference(sd: float, n: int, power: float = 0.8, level: float = LEVEL) -> float:
+    """The true mean difference a two-sided ``level`` paired t interval over ``n`` seeds finds with
+    probability about ``power``, given the sd of the paired differences:
+    ``(t(level, n-1) + t(power, n-1)) * sd / sqrt(n)`` (the one-sided power quantile)."""
+    if n < 2:
+        return math.inf
+    return (t_quantile(level, n - 1) + t_quantile(2 * power - 1, n - 1)) * sd / math.sqrt(n)
+
+
+def sizing(setup: dict, arms: dict[str, ArmSummary]) -> list[dict]:
+    """Per sized seed set (``power.sized``): each comparison's pilot sd, the seeds the rule asks
+    for at the set's delta, the seeds the set has, and the sd and interval half-width achieved."""
+    power = setup.get("power") or {}
+    seed_sets = setup.get("seed_sets") or {}
+    out = []
+    for name, sized in (power.get("sized") or {}).items():
+        rows = []
+        for key, sd in sized["pilot_sd"].items():
+            a, b = key.split(" - ", 1)
+            p = compare(arms, a, b)
+            half = None if p is None or p["ci"] is None else (p["ci"][1] - p["ci"][0]) / 2
+            rows.append({"comparison": key, "pilot_sd": sd,
+                         "seeds_needed": None if not sd else seeds_needed(sd, sized["delta"], power["power"]),
+                         "achieved_sd": None if p is None else p["sd"], "achieved_n": 0 if p is None else p["n"],
+                         "half_width": half})
+        needed = [r["seeds_needed"] for r in rows if r["seeds_needed"]]
+        n = len(seed_sets.get(name, []))
+        worst = max((r["pilot_sd"] for r in rows if r["pilot_sd"]), default=None)
+        out.append({"set": name, "claims": sized["claims"], "delta": sized["delta"], "pilot_seeds": sized["pilot_seeds"],
+                    "pilot_note": sized.get("pilot_note", ""), "rows": rows, "seeds_needed": max(needed) if needed else None,
+                    "seeds": n, "detectable_at_worst_sd": None if worst is None or n < 2 else
+                    detectable_difference(worst, n, power["power"])})
+    return out
+
+
 def power_markdown(setup: dict, arms: dict[str, ArmSummary]) -> str:
     power = setup.get("power") or {}
-    lines = []
-    if power:
-        n = seeds_needed(power["pilot_sd"], power["delta"], power["power"])
-        lines.append(f"Fixed before the run: a pilot of {power['pilot_seeds']} seeds ({power['pilot_note']}) measured the sd "
-                     f"of the paired difference guided - cpt at {power['pilot_sd']:.4f} bits/byte. Detecting a true "
-                     f"difference of {power['delta']} bits/byte with a two-sided 95% paired t interval and power "
-                     f"{power['power']:.0%} needs the smallest n with (t(0.975, n-1) + t({power['power']}, n-1))·sd/√n ≤ "
-                     f"{power['delta']}: n = {n} seeds. The main comparison was set to "
-                     f"{len(setup.get('seed_sets', {}).get('main', []))} seeds.")
+    if not power.get("sized"):
+        return "(no power computation recorded)"
+    pw = power["power"]
+    lines = [f"Each sized seed set was fixed before its seeds ran: a pilot on seeds no set uses measured the sd of each "
+             f"comparison's seed-paired differences, and the set gets the smallest n with (t(0.975, n-1) + t({pw}, n-1))·sd/√n "
+             f"≤ δ for every comparison of its claims (power {pw:.0%} for a true difference δ, stated before the pilot ran). "
+             + (f"The default study is budgeted at {power['max_runs']} student runs; where the sets being sized asked for "
+                "more than the other arms leave, they shared what was left under one common cap (repro/power.py)."
+                if power.get("max_runs") else ""), ""]
+    for s in sizing(setup, arms):
+        claims = ", ".join(str(c) for c in s["claims"])
+        lines += [f"**Claim{'s' if len(s['claims']) > 1 else ''} {claims}** (seed set `{s['set']}`): δ = {s['delta']} bits/byte; "
+                  f"pilot: {s['pilot_note'] or 'seeds ' + str(s['pilot_seeds'])}.", "",
+                  "| comparison | pilot sd | seeds for power at δ | achieved sd (seeds) | 95% CI half-width |", "|---|---|---|---|---|"]
+        for r in s["rows"]:
+            lines.append(f"| {r['comparison']} | {'not run' if r['pilot_sd'] is None else format(r['pilot_sd'], '.4f')} | "
+                         f"{r['seeds_needed'] or '-'} | "
+                         + ("-" if r["achieved_sd"] is None or math.isnan(r["achieved_sd"]) else f"{r['achieved_sd']:.4f}")
+                         + f" ({r['achieved_n']}) | " + ("-" if r["half_width"] is None else f"{r['half_width']:.4f}") + " |")
+        need, n = s["seeds_needed"], s["seeds"]
+        if need is None:
+            lines += ["", f"No pilot sd recorded: the set has {n} seeds, not sized by the rule."]
+        elif n >= need:
+            lines += ["", f"The rule asks for {need} seeds; the set has {n}."]
+        else:
+            lines += ["", f"The rule asks for {need} seeds; **{n} fit in the study's time and ran**: with {n} seeds and the "
+                          f"largest pilot sd, the difference found with power {pw:.0%} is about "
+                          f"{s['detectable_at_worst_sd']:.4f} bits/byte rather than {s['delta']}; smaller true differences "
+                          "mostly read as inconclusive."]
+        lines.append("")
     if power.get("settings_note"):
         lines.append(power["settings_note"])
-    p = compare(arms, "guided", "cpt")
-    if p is not None and p["ci"] is not None:
-        half = (p["ci"][1] - p["ci"][0]) / 2
-        lines.append(f"Achieved: sd of guided - cpt = {p['sd']:.4f} over the {p['n']} seeds that finished, so the 95% interval has "
-                     f"half-width {half:.4f} bits/byte.")
-    return "\n\n".join(lines) or "(no power computation recorded)"
+    return "\n".join(lines).rstrip()
 
 
 # --------------------------------------------------------------------------------------------
@@ -555,7 +606,7 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
         "## Set-up", "", "```json", json.dumps(_json_safe(setup), indent=1), "```", "",
     ])
     (out_dir / "report.md").write_text(body)
-    record = {"setup": setup, "rule": RULE, "claims": claims, "diagnosis": diagnosis or {},
+    record = {"setup": setup, "rule": RULE, "claims": claims, "power_sizing": sizing(setup, arms), "diagnosis": diagnosis or {},
               "arms": {n: {"teacher": arms[n].teacher, "student": arms[n].student, "mode": arms[n].mode,
                            "ratio": arms[n].ratio, "noise_share": arms[n].noise_share,
                            **{m: arms[n].interval(m) for m in METRICS}} for n in order if n in arms},

@@ -17,7 +17,17 @@ import json
 import math
 from pathlib import Path
 
-from repro.report import RULE, ArmSummary, _ci_cell, _json_safe, compare, fmt_test, portable, summarize
+from repro.report import (  # noqa: F401  (detectable_difference: part of this module's interface)
+    RULE,
+    ArmSummary,
+    _ci_cell,
+    _json_safe,
+    compare,
+    detectable_difference,
+    fmt_test,
+    portable,
+    summarize,
+)
 from repro.stats import HOLDS, LEVEL, t_quantile, verdict
 
 BASELINE = "guided"  # the strong teacher alone
@@ -42,15 +52,6 @@ def teacher_arms(results: list[dict]) -> dict[str, dict]:
             out.setdefault(r["arm"], {"combine": r["combine"], "teacher_weights": r.get("teacher_weights"),
                                       "teacher": r["teacher"]})
     return out
-
-
-def detectable_difference(sd: float, n: int, power: float = 0.8, level: float = LEVEL) -> float:
-    """The true mean difference a two-sided ``level`` paired t interval over ``n`` seeds finds with
-    probability about ``power``, given the sd of the paired differences:
-    ``(t(level, n-1) + t(power, n-1)) * sd / sqrt(n)`` (the one-sided power quantile)."""
-    if n < 2:
-        return math.inf
-    return (t_quantile(level, n - 1) + t_quantile(2 * power - 1, n - 1)) * sd / math.sqrt(n)
 
 
 def choose_default(arms: dict[str, ArmSummary], by_mode: dict[str, str], current: str = DEFAULT) -> dict:
@@ -107,9 +108,11 @@ def write_teachers_report(results: list[dict], setup: dict, out_dir: Path) -> di
     power = setup.get("power") or {}
     seeds = sorted({s for n in names[1:] if n in arms for s in arms[n].seeds})
     pilot = None
-    if power:
-        pilot = {"sd": power["pilot_sd"], "n": len(seeds), "power": power["power"],
-                 "detectable": detectable_difference(power["pilot_sd"], len(seeds), power["power"])}
+    main = (power.get("sized") or {}).get("main") or {}
+    sd = (main.get("pilot_sd") or {}).get(f"{BASELINE} - cpt")
+    if sd:
+        pilot = {"sd": sd, "n": len(seeds), "power": power["power"], "note": main.get("pilot_note", "not described"),
+                 "detectable": detectable_difference(sd, len(seeds), power["power"])}
 
     table = ["| arm | combine | weights (strong, weak) | held-out bits/byte ↓ (mean [95% CI]) | sd | kept share | "
              "strong's share of selected tokens | selection Jaccard strong/weak | seeds |",
@@ -134,7 +137,7 @@ def write_teachers_report(results: list[dict], setup: dict, out_dir: Path) -> di
     power_text = "(no pilot sd recorded)"
     if pilot:
         power_text = (f"With the pilot's sd of a paired difference, {pilot['sd']:.4f} bits/byte (guided - cpt; the "
-                      f"pilot: {power.get('pilot_note', 'not described')}), {pilot['n']} seeds detect with power {pilot['power']:.0%} "
+                      f"pilot: {pilot['note']}), {pilot['n']} seeds detect with power {pilot['power']:.0%} "
                       f"only a true difference of about {pilot['detectable']:.4f} bits/byte "
                       f"((t(0.975, n-1) + t({pilot['power']}, n-1))·sd/√n); smaller differences mostly read as inconclusive.")
         achieved = [f"{n} - {BASELINE}: sd {p['sd']:.4f}" for n, p in vs_strong.items() if p and p["n"] > 1]

@@ -230,8 +230,9 @@ def test_sweep_and_noise_points():
 def test_write_report_files_and_summary(tmp_path):
     setup = {"finished": "2026-11-21T12:00:00+00:00", "seconds": 60.0, "machine": "test", "seed_sets": {"main": [0, 1, 2, 3]},
              "n_runs": 68, "runs_planned": 70, "train_tokens_per_run": 100,
-             "power": {"pilot_sd": 0.0134, "pilot_seeds": 3, "pilot_note": "test", "delta": 0.01, "power": 0.8,
-                       "settings_note": "Settings committed first."}}
+             "power": {"power": 0.8, "max_runs": 100, "settings_note": "Settings committed first.",
+                       "sized": {"main": {"claims": [1], "delta": 0.01, "pilot_sd": {"guided - cpt": 0.0134},
+                                          "pilot_seeds": [90, 91, 92], "pilot_note": "test", "fits": None}}}}
     results = _results(_all_arms())
     order = list(_all_arms())
     record = write_report(results, order, setup, tmp_path / "out", diagnosis={})
@@ -242,7 +243,7 @@ def test_write_report_files_and_summary(tmp_path):
     assert {r["scored_folder"] for r in written["runs"]} == {"scored/strong/v1"}  # no machine paths
     body = (tmp_path / "out" / "report.md").read_text()
     assert "interval lies wholly on the claimed side of zero" in body and "Partial report: 68 of the 70" in body
-    assert "n = 17 seeds" in body  # the power computation: sd 0.0134, delta 0.01, 80%
+    assert "The rule asks for 17 seeds; **4 fit in the study's time and ran**" in body  # sd 0.0134, delta 0.01, 80%
     assert "Settings committed first." in body
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "(2026-11-21)" in summary and "partial: 68 of 70 planned runs" in summary
@@ -321,7 +322,7 @@ def _small_args(tmp_path: Path) -> list[str]:
         "corpus.student_docs=36", "corpus.teacher_docs=60", "corpus.held_out_docs=4",
         "teachers.strong.steps=3", "students.spm.vocab_size=600", "students.bbpe.vocab_size=300",
         "corpus.pretrain_docs=30", "pretrain.steps=3", "pretrain.block=64", "pretrain.batch_size=2",
-        "seed_sets.main=[0,1]", "seed_sets.sweep=[0]", "train_steps=2", "eval.completions=4", "eval.window=64",
+        "seed_sets.main=[100,101]", "seed_sets.sweep=[100]", "seed_sets.bbpe=[100]", "train_steps=2", "eval.completions=4", "eval.window=64",
         "train_overrides=[" + ",".join(f"'{o}'" for o in (
             "student.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "train.logging_steps=1",
             "train.cpu_threads=1", "data.num_workers=0")) + "]",
@@ -343,7 +344,7 @@ def test_make_repro_end_to_end_small(tmp_path):
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     runs = report["runs"]
     assert sorted((r["arm"], r["seed"]) for r in runs) == sorted(
-        [("guided", 0), ("guided", 1), ("cpt", 0), ("cpt", 1)] + [(a, 0) for a in KEEP[2:]])
+        [("guided", 100), ("guided", 101), ("cpt", 100), ("cpt", 101)] + [(a, 100) for a in KEEP[2:]])
     assert all(r["steps"] == 2 and r["tokens_trained"] == 2 * 2 * 64 for r in runs)
     assert all(0 < r["bits_per_byte"] < 20 for r in runs)
     for r in runs:  # the answer measures: both kinds, a choice between three candidates
@@ -375,7 +376,7 @@ def test_make_repro_end_to_end_small(tmp_path):
     assert again["claims"] == json.loads(first)["claims"]
 
     # report_only after losing one run: reported as partial, nothing trained
-    (tmp_path / "work" / "students" / "cpt" / "seed1" / "repro_result.json").unlink()
+    (tmp_path / "work" / "students" / "cpt" / "seed101" / "repro_result.json").unlink()
     proc3 = subprocess.run(args + ["report_only=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc3.returncode == 0, proc3.stderr[-3000:]
     partial = json.loads((tmp_path / "report" / "report.json").read_text())
@@ -416,13 +417,13 @@ def test_make_repro_from_nothing_twice_gives_identical_figures(tmp_path):
 
 def test_bad_settings_end_with_one_line_each_and_exit_2(tmp_path):
     args = [sys.executable, "-m", "repro", "arms.guided.teacher=nobody", "seed_sets.main=[]",
-            "seed_sets.sweep=[]", "arms.cpt.seeds=other", "arms.guided_noise0.corpus=dirty", "student_corpora.noise25=1.5",
+            "seed_sets.sweep=[]", "seed_sets.bbpe=[]", "arms.cpt.seeds=other", "arms.guided_noise0.corpus=dirty", "student_corpora.noise25=1.5",
             f"artifacts_dir={tmp_path / 'a'}", f"work_dir={tmp_path / 'w'}", f"hydra.run.dir={tmp_path / 'h'}"]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     for line in ("seed_sets: no arm has a seed to run",
                  "arms.guided.teacher: 'nobody' is not one of strong, weak",
-                 "arms.cpt.seeds: 'other' is not one of main, sweep, ablation",
+                 "arms.cpt.seeds: 'other' is not one of main, sweep, ablation, bbpe",
                  "arms.guided_noise0.corpus: 'dirty' is not one of main, noise0, noise25",
                  "student_corpora.noise25: noise share 1.5 is not in [0, 1]"):
         assert line in proc.stderr, (line, proc.stderr[-2000:])

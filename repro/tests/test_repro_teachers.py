@@ -24,7 +24,7 @@ SCORED = {("strong", "main"): "/data/scored/strong/v1", ("weak", "main"): "/data
 
 def _cfg(tmp_path, *overrides):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("repro", overrides=["seed_sets.main=[]", "seed_sets.sweep=[7]",
+        return compose("repro", overrides=["seed_sets.main=[]", "seed_sets.sweep=[7]", "seed_sets.bbpe=[7]",
                                            f"work_dir={tmp_path}", *overrides])
 
 
@@ -101,8 +101,9 @@ def test_the_default_moves_only_to_a_mode_that_beats_it(tmp_path):
     assert t["ci"] == pytest.approx([-0.020 - 0.002484, -0.020 + 0.002484], abs=2e-6)
     assert t["seeds"] == [100, 101, 102]
 
-    record = write_teachers_report(results, {"finished": "x", "machine": "m", "power": {
-        "pilot_sd": 0.0134, "pilot_seeds": 3, "pilot_note": "n", "delta": 0.01, "power": 0.8}}, tmp_path)
+    record = write_teachers_report(results, {"finished": "x", "machine": "m", "power": {"power": 0.8, "sized": {
+        "main": {"claims": [1], "delta": 0.01, "pilot_sd": {"guided - cpt": 0.0134}, "pilot_seeds": [0, 1, 2], "pilot_note": "n"}}}},
+        tmp_path)
     on_disk = json.loads((tmp_path / "teachers.json").read_text())
     assert on_disk["default_choice"]["default"] == "mean"
     vs = on_disk["vs_strong"]["teachers_min"]
