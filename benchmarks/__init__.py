@@ -27,6 +27,9 @@ case               what it measures
                    its own process (:mod:`benchmarks.memory`)
 ``teachers``       CPU time of the student data pipeline with two teachers / with one, the same
                    samples (:mod:`benchmarks.teachers`)
+``export``         student tokens per CPU-second of ``make export-student`` / of tokenization alone,
+                   bytes per student token of each format, peak RSS at several shards / one
+                   (:mod:`benchmarks.export`)
 =================  ==========================================================================
 
 :mod:`benchmarks.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
@@ -36,4 +39,4 @@ torch, transformers, accelerate, pyarrow, Hydra and OmegaConf.
 Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes and checks the report's shape.
 """
 
-CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers")
+CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export")

@@ -39,6 +39,9 @@ CASE_MEASURES = {
     "student_data": [("student_data", "student data pipeline (read+tokenize+align+pack / tokenize)", "target", ">=")],
     "memory": [("memory", "memory growth (10x/1x peak RSS)", "target", "<=")],
     "teachers": [("two_teachers", "two-teacher data pipeline (two teachers / one, CPU time)", "target", "<=")],
+    "export": [("export_throughput", "export-student throughput per core / tokenization alone (tokens per CPU-s)",
+                "target", ">="),
+               ("export_memory", "memory growth, export-student (peak RSS, more shards / one)", "memory_target", "<=")],
 }
 
 
@@ -102,6 +105,11 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
         return case.run(case_cfg)
     if name in ("student_data", "teachers"):
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.student), inputs.scored_dataset())
+    if name == "export":
+        from benchmarks.inputs import real_tokenizer_folder
+
+        folder = real_tokenizer_folder(case_cfg.student, inputs.tokenizers_dir, work / "tokenizers")
+        return case.run(case_cfg, work, folder, inputs.tokenizer(case_cfg.student), inputs.scored_dataset())
     if name == "memory":
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.teacher_tokenizer),
                         inputs.tokenizer(case_cfg.student_tokenizer))

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from benchmarks import CASES
 from benchmarks.alignment import AlignmentBenchConfig
+from benchmarks.export import ExportBenchConfig
 from benchmarks.guided_loss import GuidedLossBenchConfig
 from benchmarks.memory import MemoryBenchConfig
 from benchmarks.stage1 import Stage1BenchConfig
@@ -33,6 +34,7 @@ QUICK_SIZES: dict[str, Any] = {
     "student_data": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
     "memory": {"n_docs": 8, "scale": 3, "rows_per_shard": 4, "train_steps": 2},
     "teachers": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
+    "export": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512, "scale": 2},
 }
 
 
@@ -56,6 +58,7 @@ class BenchConfig:
     student_data: StudentDataBenchConfig = field(default_factory=StudentDataBenchConfig)
     memory: MemoryBenchConfig = field(default_factory=MemoryBenchConfig)
     teachers: TeachersBenchConfig = field(default_factory=TeachersBenchConfig)
+    export: ExportBenchConfig = field(default_factory=ExportBenchConfig)
 
     def problems(self) -> list[str]:
         problems = [f"cases: {c!r} is not one of {', '.join(CASES)}" for c in self.cases if c not in CASES]

@@ -130,12 +130,14 @@ def _figure(cfg: MemoryBenchConfig, workload: str, runs: dict) -> dict:
                   details={k.replace("_mib", ""): v for k, v in ratios.items()})
 
 
-def measure_subprocess(workload: str, args: dict, interval: float = 0.05, timeout: float = 600.0) -> dict:
-    """Run one workload in a child process; its peak RSS (tree, root, largest descendant)."""
+def measure_subprocess(workload: str, args: dict, interval: float = 0.05, timeout: float = 600.0,
+                       module: str = "benchmarks.memory") -> dict:
+    """Run one workload in a child process (``python -m <module> <workload> <args>``, whose ``main``
+    prints ``BENCH_RESULT <json>``); its peak RSS (tree, root, largest descendant)."""
     from benchmarks.measure import TreeRssSampler
 
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, "-m", "benchmarks.memory", workload, json.dumps(args)]
+    cmd = [sys.executable, "-m", module, workload, json.dumps(args)]
     t0 = time.perf_counter()
     log_file = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty child never blocks on it
     proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)

@@ -94,7 +94,7 @@ def _sources(manifest: Mapping) -> str:
                          f"`{corpus.get('name')}` ({corpus.get('n_docs', '?')} documents, files sha256 "
                          f"`{str(corpus.get('files_sha256'))[:16]}`)", "complete" if f.get("complete") else "partial"))
         rows.append((f"t{i}", f"{len(t.get('shards_used', []))} shard(s) used", "", ""))
-    folders = ", ".join(f"`{os.path.basename(str(p).rstrip('/'))}`" for p in location.get("scored_folders", []))
+    folders = ", ".join(f"`{'/'.join(str(p).rstrip('/').split('/')[-3:])}`" for p in location.get("scored_folders", []))
     return ("## Sources\n\nThe scored folders (stage-1 output) this export was made from, by teacher "
             f"(folders: {folders}; their full identities are in `manifest.json`):\n\n"
             + _table(("teacher", "model", "corpus", "scoring"), rows))
@@ -103,9 +103,7 @@ def _sources(manifest: Mapping) -> str:
 def _settings(manifest: Mapping) -> str:
     identity = manifest.get("identity") or {}
     s, p = identity.get("student") or {}, identity.get("packing") or {}
-    alignments = ", ".join(f"t{i}: {(t.get('alignment') or {}).get('method')} "
-                           f"({(t.get('alignment') or {}).get('aggregate')}, {(t.get('alignment') or {}).get('n_chunks')} chunks)"
-                           for i, t in enumerate(identity.get("teachers", [])))
+    alignments = ", ".join(f"t{i}: {_alignment(t.get('alignment') or {})}" for i, t in enumerate(identity.get("teachers", [])))
     combine = identity.get("combine")
     layout = (f"packed: rows of {p.get('seq_len', 0) + 1} tokens (`seq_len` {p.get('seq_len')} inputs and as many "
               "targets), consecutive rows sharing one token: the samples `make train-student` trains on"
@@ -121,6 +119,13 @@ def _settings(manifest: Mapping) -> str:
                   f"{'added' if p.get('add_bos') else 'not added'}, EOS {'added' if p.get('add_eos') else 'not added'}"),
     ]
     return "## How it was made\n\n" + _table(("", ""), rows)
+
+
+def _alignment(a: Mapping) -> str:
+    method = a.get("method")
+    if method == "token":
+        return f"token, {a.get('aggregate')} over the overlapping teacher tokens"
+    return f"chunk, mean over {a.get('n_chunks')} chunks" if method == "chunk" else str(method)
 
 
 def _counts(manifest: Mapping) -> str:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -60,6 +61,7 @@ def megatron_prefix(shard_file: str, name: str) -> str:
 
 def _megatron_writer(arrays: Sequence[np.ndarray], dtype) -> Callable[[Path, Path], None]:
     def write(bin_path: Path, idx_path: Path) -> None:
+        logging.getLogger("megatron").setLevel(logging.WARNING)  # its import announces FSDP and Transformer Engine
         with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": no model is built here
             warnings.simplefilter("ignore")
             from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # heavy optional package (vocagno[megatron])

@@ -49,7 +49,7 @@ from pipeline.shard_folder import (
 )
 from pipeline.student_side import PackingConfig, StudentData, build_student_data, teacher_identity
 from pipeline.tokenization import fingerprint, load_tokenizer, require_fast
-from storage_schemas import CARD_NAME, MANIFEST_NAME, write_json_atomic
+from storage_schemas import CARD_NAME, MANIFEST_NAME, ContractError, write_json_atomic
 from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,8 @@ class ExportSummary:
     mapped_fraction: float
     bytes: dict[str, int]  # per format, whole export
     complete: bool
-    seconds: float
+    seconds: float  # wall, this run, set-up included
+    write_cpu_seconds: float = 0.0  # process CPU time writing this run's shards (read, align, encode, write)
     teachers: list[str] = field(default_factory=list)
 
     @property
@@ -236,7 +237,18 @@ def write_manifest(folder, identity: dict, done: dict[int, dict], n_planned: int
 
 def run_export(job: ExportJobConfig) -> ExportSummary:
     """Export (module docstring). The output folder's lock is held throughout, so a second launch
-    into the same folder is refused instead of interleaving shards."""
+    into the same folder is refused instead of interleaving shards. A refusal is one line (the
+    problems of a several-line message joined by ``; ``), of the same error class."""
+    try:
+        return _run_export(job)
+    except (UserError, ContractError) as exc:
+        lines = [line.strip().lstrip("- ") for line in str(exc).splitlines() if line.strip()]
+        if len(lines) < 2:
+            raise
+        raise type(exc)("; ".join(lines)) from exc
+
+
+def _run_export(job: ExportJobConfig) -> ExportSummary:
     t0 = time.perf_counter()
     check_output_dir(job)
     tokenizer = load_student_tokenizer(job)
@@ -261,12 +273,14 @@ def run_export(job: ExportJobConfig) -> ExportSummary:
         before = len(done)
         write_manifest(job.output_dir, identity, done, n_shards, location)
         pending = [i for i in range(n_shards) if i not in done][:job.export.limit_shards]
+        cpu = time.process_time()
         try:
             written = _write_shards(job, source, pending, n_rows, identity, done, location, n_shards,
                                     row_schema(len(identity["teachers"])))
         except BaseException:  # list what did finish (the markers stay the truth), then fail
             write_manifest(job.output_dir, identity, finished_shards(job.output_dir), n_shards, location)
             raise
+        cpu = time.process_time() - cpu
         done = finished_shards(job.output_dir)
         remove_unreferenced(job.output_dir, done)
         complete = len(done) == n_shards
@@ -280,7 +294,7 @@ def run_export(job: ExportJobConfig) -> ExportSummary:
         shards_planned=n_shards, shards_done_before=before, shards_written=len(written), tokens=totals["tokens"],
         tokens_this_run=sum(e["tokens"] for e in written),
         mapped_fraction=totals["mapped"] / totals["tokens"] if totals["tokens"] else float("nan"),
-        bytes=totals["bytes"], complete=complete, seconds=time.perf_counter() - t0,
+        bytes=totals["bytes"], complete=complete, seconds=time.perf_counter() - t0, write_cpu_seconds=cpu,
         teachers=teacher_names(data.teachers.datasets if data.teachers is not None else [data.scored]),
     )
 

@@ -24,9 +24,11 @@ def make_export(student: Path, folders, out: Path, seq_len: int = 32, **changes)
     data = {"folders": [str(f) for f in (folders if isinstance(folders, (list, tuple)) else [folders])],
             "cache_dir": str(out.parent / "lengths"), **changes.pop("data", {})}
     loss = {("method" if k == "alignment" else k): v for k, v in changes.pop("loss", {}).items()}
+    overwrite = changes.pop("overwrite", False)
     export = {"rows_per_shard": 16, "progress": False, **changes}
     return ExportJobConfig(student=StudentConfig(name="t", model=str(student), seq_len=seq_len), data=DataConfig(**data),
-                           export=ExportConfig(**export), alignment=AlignmentConfig(**loss), output_dir=str(out))
+                           export=ExportConfig(**export), alignment=AlignmentConfig(**loss), output_dir=str(out),
+                           overwrite=overwrite)
 
 
 def manifest(folder: Path) -> dict:
