@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from pipeline.config import ConfigError, UserError
 from pipeline.inspection.parity import compare_folders
 from pipeline.score_teacher.backends.base import ScorerConfig
-from pipeline.score_teacher.backends.server import ServerCheckError, ServerScorer
+from pipeline.score_teacher.backends.server import ServerScorer
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, prepare, run_score_job
 from pipeline.score_teacher.pool import ShardFailedError

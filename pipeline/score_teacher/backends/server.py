@@ -37,9 +37,9 @@ import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Sequence
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -103,7 +103,7 @@ def api_key(cfg: ScorerConfig) -> ApiKey | None:
 def base_url(url: str) -> str:
     """``http://host:port[/prefix]`` without a trailing ``/`` or ``/v1``."""
     url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url.removesuffix("/v1")
 
 
 def host_of(url: str) -> str:
@@ -379,6 +379,8 @@ class ServerScorer:
         self.endpoint = base_url(cfg.url) + "/v1/completions"
         self.headers = key.header() if key else {}
         self._local = threading.local()
+        # in_flight_per_actor threads, kept across calls with one connection each (kept alive)
+        self._pool = ThreadPoolExecutor(max_workers=cfg.in_flight_per_actor, thread_name_prefix="served-teacher")
         self._log_lock = threading.Lock()
         self._last_log = -float("inf")
 
@@ -390,14 +392,10 @@ class ServerScorer:
         if too_long:
             raise PromptLogprobError(f"a window of {too_long[0]} tokens exceeds the planned window {self.cfg.window}")
         results: list[np.ndarray | None] = [None] * len(windows)
-        if not windows:
-            return []
-        stop = threading.Event()
-        pool = ThreadPoolExecutor(max_workers=min(self.cfg.in_flight_per_actor, len(windows)),
-                                  thread_name_prefix="served-teacher")
+        stop = threading.Event()  # set: this call's other windows stop retrying
+        futures = {self._pool.submit(self._score_window, np.asarray(w, dtype=np.int64), stop): i
+                   for i, w in enumerate(windows)}
         try:
-            futures = {pool.submit(self._score_window, np.asarray(w, dtype=np.int64), stop): i
-                       for i, w in enumerate(windows)}
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             failed = [f.exception() for f in done if f.exception() is not None]
             if failed and isinstance(failed[0], ServerUnavailableError):
@@ -408,8 +406,10 @@ class ServerScorer:
             for future, i in futures.items():
                 self._put(results, i, future.result())
         finally:
-            stop.set()  # the others stop retrying
-            pool.shutdown(wait=True, cancel_futures=True)
+            stop.set()
+            for future in futures:
+                future.cancel()
+            wait(futures)  # no request of this call outlives it
         return results  # type: ignore[return-value]
 
     @staticmethod
