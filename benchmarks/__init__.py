@@ -30,6 +30,9 @@ case               what it measures
 ``export``         student tokens per CPU-second of ``make export-student`` / of tokenization alone,
                    bytes per student token of each format, peak RSS at several shards / one
                    (:mod:`benchmarks.export`)
+``served_teacher`` a teacher served by vLLM's OpenAI-compatible server against the in-process engine on
+                   the same windows: tokens/s, the requests in flight that saturate the server; in
+                   ``.venv-vllm`` (skipped without it) (:mod:`benchmarks.served_teacher`)
 =================  ==========================================================================
 
 :mod:`benchmarks.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
@@ -39,4 +42,4 @@ torch, transformers, accelerate, pyarrow, Hydra and OmegaConf.
 Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes and checks the report's shape.
 """
 
-CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export")
+CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export", "served_teacher")

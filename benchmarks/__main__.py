@@ -22,6 +22,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
 from benchmarks.config import BenchConfig, bench_config
+from benchmarks.served_teacher import MEASURES as SERVED_MEASURES
 from stages.common import entry_point, quiet_libraries
 
 log = logging.getLogger("bench")
@@ -39,6 +40,7 @@ CASE_MEASURES = {
     "student_data": [("student_data", "student data pipeline (read+tokenize+align+pack / tokenize)", "target", ">=")],
     "memory": [("memory", "memory growth (10x/1x peak RSS)", "target", "<=")],
     "teachers": [("two_teachers", "two-teacher data pipeline (two teachers / one, CPU time)", "target", "<=")],
+    "served_teacher": [(key, measure, None, None) for key, measure in SERVED_MEASURES.values()],
     "export": [("export_throughput", "export-student throughput per core / tokenization alone (tokens per CPU-s)",
                 "target", ">="),
                ("export_memory", "memory growth, export-student (peak RSS, more shards / one)", "memory_target", "<=")],
@@ -113,6 +115,11 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
     if name == "memory":
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.teacher_tokenizer),
                         inputs.tokenizer(case_cfg.student_tokenizer))
+    if name == "served_teacher":
+        from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
+
+        artifacts = to_absolute_path(inputs.cfg.artifacts_dir)
+        return case.run(case_cfg, work, ensure_tiny_teacher(artifacts), [str(f) for f in ensure_sample_corpus(artifacts)])
     raise ValueError(f"unknown case {name!r}")
 
 

@@ -15,6 +15,7 @@ from benchmarks.alignment import AlignmentBenchConfig
 from benchmarks.export import ExportBenchConfig
 from benchmarks.guided_loss import GuidedLossBenchConfig
 from benchmarks.memory import MemoryBenchConfig
+from benchmarks.served_teacher import ServedTeacherBenchConfig
 from benchmarks.stage1 import Stage1BenchConfig
 from benchmarks.storage import StorageBenchConfig
 from benchmarks.student_data import StudentDataBenchConfig
@@ -34,6 +35,7 @@ QUICK_SIZES: dict[str, Any] = {
     "student_data": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
     "memory": {"n_docs": 8, "scale": 3, "rows_per_shard": 4, "train_steps": 2},
     "teachers": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
+    "served_teacher": {"n_docs": 8, "repeats": 1, "concurrency": [1, 4]},
     "export": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512, "scale": 2},
 }
 
@@ -58,6 +60,7 @@ class BenchConfig:
     student_data: StudentDataBenchConfig = field(default_factory=StudentDataBenchConfig)
     memory: MemoryBenchConfig = field(default_factory=MemoryBenchConfig)
     teachers: TeachersBenchConfig = field(default_factory=TeachersBenchConfig)
+    served_teacher: ServedTeacherBenchConfig = field(default_factory=ServedTeacherBenchConfig)
     export: ExportBenchConfig = field(default_factory=ExportBenchConfig)
 
     def problems(self) -> list[str]:

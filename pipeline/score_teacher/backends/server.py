@@ -385,7 +385,11 @@ class ServerScorer:
         self._last_log = -float("inf")
 
     def describe(self) -> dict:
-        return {"backend": "server", "dtype": self.cfg.dtype, "device": host_of(self.endpoint)}
+        """The markers' ``scored_by.engine``: the server's host (the served model and version are in
+        the manifest's ``location``)."""
+        host = host_of(self.endpoint)
+        return {"backend": "server", "dtype": self.cfg.dtype, "device": host,
+                "engine": {"name": "server", "device": host}}
 
     def score(self, windows: Sequence[np.ndarray]) -> list[np.ndarray]:
         too_long = [len(w) for w in windows if self.cfg.window and len(w) > self.cfg.window]
