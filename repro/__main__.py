@@ -16,6 +16,7 @@ import logging
 import os
 import platform
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -94,6 +95,18 @@ def tasks(study: ReproConfig, scored: dict[tuple[str, str], str], students: dict
     return out
 
 
+def sweep_tasks(run_list: list, study: ReproConfig) -> list:
+    """The runs claim 7's diagnosis looks at: on the sweep seeds, every run that differs from
+    ``guided`` only in its selection's mode, ratio and ranking (cpt, random, guided_r<x>, ...)."""
+    ref = next((t for t in run_list if t.arm == "guided"), None)
+    if ref is None:
+        return []
+    seeds = set(study.seed_sets.get("sweep", []))
+    same = lambda t: (t.student, t.corpus, t.teacher, t.job.alignment, list(t.job.data.folders),  # noqa: E731
+                      t.job.selection.unmapped)
+    return [t for t in run_list if t.seed in seeds and same(t) == same(ref)]
+
+
 def run_order(study: ReproConfig) -> list[tuple[str, ArmConfig, int]]:
     """(arm name, arm, seed) in the order the runs start: seed set by seed set as listed, and inside
     one, seed by seed, so that the arms compared with each other finish together."""
@@ -108,7 +121,7 @@ def run_order(study: ReproConfig) -> list[tuple[str, ArmConfig, int]]:
 def main(cfg: DictConfig) -> None:
     from tqdm import tqdm
 
-    from repro.diagnose import diagnose_selection
+    from repro.diagnose import diagnose_selection, diagnose_sweep
     from repro.report import write_report
     from repro.runner import run_tasks
     from repro.teachers_report import write_teachers_report
@@ -117,6 +130,7 @@ def main(cfg: DictConfig) -> None:
     design = study_config(cfg)
     study = design.as_pilot() if design.pilot else design
     load_at_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared: say how busy it was
+    load = LoadSampler()
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     artifacts = Path(to_absolute_path(study.artifacts_dir))
@@ -159,13 +173,21 @@ def main(cfg: DictConfig) -> None:
                                               ratio=study.diagnose.ratio, block=study.eval.window)
                      for name, folder in students.items()}
         log.info("selection diagnosed in %.0fs", time.perf_counter() - t1)
+    sweep_diagnosis = {}
+    mine = sweep_tasks(run_list, study)
+    if mine:
+        t1 = time.perf_counter()
+        sweep_diagnosis = diagnose_sweep(mine, students[mine[0].student], corpus_files[mine[0].corpus],
+                                         study.seed_sets.get("sweep", []), study.diagnose.batches,
+                                         cache_dir=Path(to_absolute_path(study.work_dir)) / "diagnosis")
+        log.info("sweep selection diagnosed in %.0fs", time.perf_counter() - t1)
 
     setup = {
         "started": started, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - t0, 1), "build_seconds": round(build_s, 1),
         "score_seconds": round(score_s, 1), "machine": f"{platform.machine()}, {_cpus()} CPU cores",
         "load_average_at_start": load_at_start, "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-        "runs_read_from_cache": sum(from_cache), "runs_planned": len(run_list),
+        "load_average_during": load.stop(), "runs_read_from_cache": sum(from_cache), "runs_planned": len(run_list),
         "seed_sets": dict(study.seed_sets), "n_runs": len(results), "parallel": study.parallel,
         "train_steps": study.train_steps, "train_tokens_per_run": results[0]["tokens_trained"] if results else 0,
         "corpora": corpora.describe(),
@@ -179,7 +201,8 @@ def main(cfg: DictConfig) -> None:
         "train_overrides": list(study.train_overrides),
     }
     report_dir = Path(to_absolute_path(study.report_dir))
-    record = write_report(results, list(study.arms), setup, report_dir, diagnosis=diagnosis)
+    record = write_report(results, list(study.arms), setup, report_dir, diagnosis=diagnosis,
+                          sweep_diagnosis=sweep_diagnosis)
     for c in record["claims"]:
         print(f"claim {c['claim']}: {c['verdict']:<14} {c['text']}")
     several = write_teachers_report(results, setup, report_dir)
@@ -230,6 +253,28 @@ def base_scores(folder: Path, held_out: list[str], study: ReproConfig) -> dict:
                             study.eval.window)
     cache.write_text(json.dumps({"key": key, "scores": scores}))
     return scores
+
+
+class LoadSampler:
+    """The 1-minute load average every ``every`` seconds while the study runs (a daemon thread), so
+    the report can say how busy the machine was throughout, not only at the start and the end."""
+
+    def __init__(self, every: float = 30.0):
+        self.samples: list[float] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self._done.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._done.wait(every)
+
+    def stop(self) -> dict:
+        self._done.set()
+        xs = self.samples or [os.getloadavg()[0]]
+        return {"mean_1min": round(sum(xs) / len(xs), 2), "max_1min": round(max(xs), 2), "samples": len(xs),
+                "every_s": 30.0}
 
 
 def _cpus() -> int:

@@ -64,13 +64,17 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class DiagnoseConfig:
-    """What the guided selection keeps, per base student (a report section)."""
+    """What the guided selection keeps, per base student, over the corpus; and per arm of the
+    selection-ratio sweep on the batches stage 2 forms (claim 7). Report sections."""
 
     teacher: str
     ratio: float
+    batches: int = 16  # claim 7: micro-batches per sweep seed on which each arm's selection is diagnosed
 
     def problems(self) -> list[str]:
-        return [] if 0.0 < self.ratio <= 1.0 else [f"ratio: {self.ratio} is not in (0, 1]"]
+        problems = [] if 0.0 < self.ratio <= 1.0 else [f"ratio: {self.ratio} is not in (0, 1]"]
+        check_at_least(problems, "batches", self.batches, 1)
+        return problems
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ class ReproConfig:
             where = f"power.sized.{name}"
             if name not in self.seed_sets:
                 problems.append(f"{where}: not a seed set (one of {', '.join(self.seed_sets)})")
-            for a, b in sized.comparisons():
+            for a, b in sized.comparisons() if self.pilot else ():  # a quick look may drop arms; a pilot needs them
                 problems += [f"{where}.pilot_sd.{a} - {b}: {x!r} is not an arm" for x in (a, b) if x not in self.arms]
             if set(sized.pilot_seeds) & used:
                 problems.append(f"{where}.pilot_seeds: {sorted(set(sized.pilot_seeds) & used)} also in a seed set; "

@@ -13,6 +13,7 @@ is distributed by kind, and how well the student's tokens align with the teacher
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -147,4 +148,232 @@ def diagnose_selection(student_folder: str | Path, scored_folder: str | Path, co
     out["ios_mean"] = float(np.nanmean(cat["ios"][cat["mapped"].astype(bool)]))
     out["doc_iou_mean"] = float(np.mean(doc_iou)) if doc_iou else math.nan
     cache.write_text(json.dumps({"key": key, "result": out}, default=str))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Claim 7: what the selection takes at each ratio, on the batches stage 2 forms
+
+
+PAGE_KINDS = ("clean", "noise")  # math pages and noise pages of the student corpus (other kinds are counted in neither)
+TOP_IDS = 10  # the concentration on token ids: the share of the selection taken by its most frequent ids
+
+
+def selection_stats(batches: list[dict[str, np.ndarray]]) -> dict:
+    """What one selection takes, over diagnosed micro-batches. Each batch holds (B, L) arrays:
+    ``l_s`` (student loss), ``l_t`` (teacher loss, NaN where unmapped), ``mapped``, ``valid``,
+    ``kind`` (page kind of the target's document), ``doc`` (its document), ``ids`` (the target
+    token), ``trained`` and ``selected`` (the loss's masks, :func:`pipeline.guided_loss.select_tokens`).
+
+    Returns: the share of the selected (mapped) tokens from each page kind and the rate at which
+    each kind's candidates are selected; the mean teacher loss, excess loss ``l_s - l_t`` and
+    student loss of the selected tokens; the share of the trained tokens that are unmapped (always
+    trained under ``include``); and how concentrated the selection is: the effective number of
+    documents per batch (``exp`` of the entropy of the selected tokens over documents), the largest
+    share of a batch's selection in one sequence, and the share taken by the selection's
+    ``TOP_IDS`` most frequent token ids."""
+    cat = {k: np.concatenate([b[k].reshape(-1) for b in batches]) for k in ("l_s", "l_t", "mapped", "valid", "kind",
+                                                                               "ids", "trained", "selected")}
+    cand = cat["mapped"] & cat["valid"] & ~np.isnan(cat["l_t"])
+    sel = cat["selected"] & cand
+    n_sel = int(sel.sum())
+    excess = cat["l_s"] - cat["l_t"]
+    out: dict = {"batches": len(batches), "tokens": int(cat["valid"].sum()), "candidates": int(cand.sum()),
+                 "selected": n_sel, "trained": int(cat["trained"].sum()),
+                 "selected_share": {}, "selected_rate": {}, "teacher_loss_by_kind": {}, "excess_by_kind": {}}
+    for k in PAGE_KINDS:
+        of_kind = sel & (cat["kind"] == k)
+        out["selected_share"][k] = float(of_kind.sum() / n_sel) if n_sel else math.nan
+        c = cand & (cat["kind"] == k)
+        out["selected_rate"][k] = float(of_kind.sum() / c.sum()) if c.any() else math.nan
+        out["teacher_loss_by_kind"][k] = float(cat["l_t"][of_kind].mean()) if of_kind.any() else math.nan
+        out["excess_by_kind"][k] = float(excess[of_kind].mean()) if of_kind.any() else math.nan
+    out["teacher_loss"] = float(cat["l_t"][sel].mean()) if n_sel else math.nan
+    out["excess"] = float(excess[sel].mean()) if n_sel else math.nan
+    out["student_loss"] = float(cat["l_s"][sel].mean()) if n_sel else math.nan
+    trained = cat["trained"] & cat["valid"]
+    out["unmapped_share_of_trained"] = float((trained & ~sel).sum() / trained.sum()) if trained.any() else math.nan
+    docs_eff, top_seq = [], []
+    for b in batches:
+        s = b["selected"] & b["mapped"] & b["valid"] & ~np.isnan(b["l_t"])  # (B, L)
+        if not s.any():
+            continue
+        _, counts = np.unique(b["doc"][s], return_counts=True)
+        p = counts / counts.sum()
+        docs_eff.append(float(np.exp(-(p * np.log(p)).sum())))
+        top_seq.append(float(s.sum(axis=1).max() / s.sum()))
+    out["docs_effective"] = float(np.mean(docs_eff)) if docs_eff else math.nan
+    out["top_sequence_share"] = float(np.mean(top_seq)) if top_seq else math.nan
+    if n_sel:
+        _, counts = np.unique(cat["ids"][sel], return_counts=True)
+        out["top_ids_share"] = float(np.sort(counts)[::-1][:TOP_IDS].sum() / n_sel)
+    else:
+        out["top_ids_share"] = math.nan
+    return out
+
+
+def diagnosis_batches(job, corpus_files: list[Path], n_batches: int) -> tuple[list[dict[str, np.ndarray]], dict]:
+    """The micro-batches stage 2 would form right after the run's last trained sample (the same
+    data order for every arm of one seed, unseen by all of them): (B, L) ``input_ids``, ``ids``
+    (targets), ``l_t``, ``mapped``, ``valid``, ``doc`` and ``kind`` per batch, and where they are."""
+    from pipeline.tokenization import load_tokenizer
+    from pipeline.train_student.run import batch_geometry, prepare_data
+
+    tokenizer = load_tokenizer(job.student.tokenizer or job.student.model)
+    data = prepare_data(job, tokenizer)
+    accumulation, _ = batch_geometry(job, 1)
+    size = job.train.micro_batch_size
+    first = job.train.max_steps * size * accumulation  # the first sample no run of this seed trained on
+    unseen = first + n_batches * size <= data.plan.n_samples
+    if not unseen:
+        first = max(0, data.plan.n_samples - n_batches * size)
+    kinds = page_kinds(corpus_files)
+    doc_ids = {}
+    batches = []
+    for start in range(first, min(first + n_batches * size, data.plan.n_samples) - size + 1, size):
+        windows = data.dataset.windows(range(start, start + size))
+        doc = np.stack([np.concatenate([np.full(b - a, d) for d, a, b in w.documents])[1:] for w in windows])  # (B, L)
+        for d in np.unique(doc).tolist():
+            if d not in doc_ids:
+                shard = data.dataset.shards[int(data.plan.doc_shard[d])]
+                column = pq.read_table(shard.path, columns=["doc_id"]).column("doc_id")
+                doc_ids[d] = column[int(data.plan.doc_row[d])].as_py()
+        kind = np.vectorize(lambda d: kinds.get(doc_ids[d], "?"), otypes=[object])(doc)
+        ids = np.stack([w.ids for w in windows])  # (B, L + 1)
+        batches.append({"input_ids": ids[:, :-1], "ids": ids[:, 1:], "doc": doc, "kind": kind,
+                        "l_t": np.stack([w.teacher_loss[1:] for w in windows]).astype(np.float32),
+                        "mapped": np.stack([w.mapped[1:] for w in windows]), "valid": np.ones(ids[:, 1:].shape, bool)})
+    return batches, {"first_sample": first, "samples": len(batches) * size, "unseen": unseen,
+                     "samples_in_the_stream": data.plan.n_samples, "sequences_per_batch": size}
+
+
+def batch_losses(model_folder: str | Path, batches: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+    """The model's (B, L) per-token loss on each batch (float32, as the trainer computes it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.guided_loss import token_cross_entropy
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_folder), use_safetensors=True, torch_dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for b in batches:
+            logits = model(input_ids=torch.from_numpy(b["input_ids"])).logits  # (B, L, V)
+            out.append(token_cross_entropy(logits, torch.from_numpy(b["ids"])).numpy())
+    return out
+
+
+def select(batches: list[dict[str, np.ndarray]], losses: list[np.ndarray], config) -> list[dict[str, np.ndarray]]:
+    """The batches with ``l_s`` and the ``trained``/``selected`` masks of ``config`` (a
+    :class:`pipeline.guided_loss.SelectionConfig`; guided or cpt), as the trainer's loss selects."""
+    import torch
+
+    from pipeline.guided_loss import select_tokens
+
+    out = []
+    for b, l_s in zip(batches, losses):
+        trained, selected = select_tokens(torch.from_numpy(l_s), torch.from_numpy(b["valid"]),
+                                          torch.from_numpy(b["l_t"]), torch.from_numpy(b["mapped"]), config)
+        out.append({**b, "l_s": l_s, "trained": trained.numpy(), "selected": selected.numpy()})
+    return out
+
+
+def loss_groups(batches: list[dict[str, np.ndarray]], base_losses: list[np.ndarray], ratios=(0.1, 0.4)) -> list[dict[str, np.ndarray]]:
+    """Masks of the tokens by what the base student's guided selection (batch ranking) takes at
+    ``ratios``: math-page tokens in its top ``ratios[0]``, between ``ratios[0]`` and ``ratios[1]``, the
+    other math-page tokens; and noise-page tokens; (B, L) bool per batch and group."""
+    from pipeline.guided_loss import SelectionConfig
+
+    low = select(batches, base_losses, SelectionConfig(ratio=ratios[0]))
+    high = select(batches, base_losses, SelectionConfig(ratio=ratios[1]))
+    groups = []
+    for b, lo, hi in zip(batches, low, high):
+        clean, noise = b["kind"] == "clean", b["kind"] == "noise"
+        groups.append({f"math, top {ratios[0]:.0%}": clean & lo["selected"],
+                       f"math, top {ratios[0]:.0%}-{ratios[1]:.0%}": clean & hi["selected"] & ~lo["selected"],
+                       f"math, rest": clean & ~hi["selected"] & b["valid"], "noise": noise & b["valid"]})
+    return groups
+
+
+def mean_by_group(losses: list[np.ndarray], groups: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Mean loss over each group's tokens, pooled over batches."""
+    names = list(groups[0]) if groups else []
+    out = {}
+    for g in names:
+        total = sum(float(l_s[m].sum()) for l_s, grp in zip(losses, groups) for m in [grp[g]])
+        count = sum(int(grp[g].sum()) for grp in groups)
+        out[g] = total / count if count else math.nan
+    return out
+
+
+DIAGNOSIS_VERSION = 1  # names what a cached sweep diagnosis holds
+
+
+def diagnose_sweep(tasks: list, base_folder: str | Path, corpus_files: list[Path], seeds: list[int], n_batches: int,
+                   cache_dir: Path | None = None) -> dict:
+    """Claim 7's diagnosis: for each seed, ``n_batches`` micro-batches of the run's data order that
+    no run trained on (:func:`diagnosis_batches`); on them, what each guided arm's selection takes
+    (:func:`selection_stats`) at the start (the base student ranks) and at the end (the arm's own
+    final student ranks), next to all mapped tokens (what a random selection takes in
+    expectation); and each final student's mean loss on token groups defined by the base
+    student's selection (:func:`loss_groups`). ``tasks``: the runs (:class:`repro.runner.RunTask`)
+    of one student, teacher and corpus, alignment as ``guided``'s, that differ only in
+    ``loss.mode``/``ratio``/``rank_over``. Figures are means over ``seeds``; each seed's are kept."""
+    from pipeline.guided_loss import SelectionConfig
+
+    tasks = [t for t in tasks if t.seed in seeds and (Path(t.job.output_dir) / "final").is_dir()]
+    key = {"runs": sorted(t.key() for t in tasks), "n_batches": n_batches, "base": str(base_folder),
+           "version": DIAGNOSIS_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    cache = None if cache_dir is None else Path(cache_dir) / f"sweep-{digest}.json"
+    if cache is not None and cache.is_file():
+        return json.loads(cache.read_text())
+    per_seed = {}
+    for seed in sorted({t.seed for t in tasks}):
+        mine = sorted((t for t in tasks if t.seed == seed), key=lambda t: t.arm)
+        batches, where = diagnosis_batches(mine[0].job, corpus_files, n_batches)
+        base = batch_losses(base_folder, batches)
+        finals = {t.arm: batch_losses(Path(t.job.output_dir) / "final", batches) for t in mine}
+        rows = [{"arm": "all mapped tokens", "mode": "random", "ratio": None, "rank_over": None, "when": "start",
+                 "stats": selection_stats(select(batches, base, SelectionConfig(mode="cpt")))}]
+        for t in mine:
+            cfg = t.job.selection
+            if cfg.mode != "guided":
+                continue
+            for when, losses in (("start", base), ("end", finals[t.arm])):
+                rows.append({"arm": t.arm, "mode": cfg.mode, "ratio": cfg.ratio, "rank_over": cfg.rank_over, "when": when,
+                             "stats": selection_stats(select(batches, losses, SelectionConfig(
+                                 mode="guided", ratio=cfg.ratio, rank_over=cfg.rank_over, unmapped=cfg.unmapped)))})
+        groups = loss_groups(batches, base)
+        learned = {"base": mean_by_group(base, groups), **{arm: mean_by_group(x, groups) for arm, x in finals.items()}}
+        sizes = {g: int(sum(grp[g].sum() for grp in groups)) for g in groups[0]} if groups else {}
+        per_seed[seed] = {"where": where, "selection": rows, "learned": learned, "group_tokens": sizes}
+    out = {"seeds": sorted(per_seed), "n_batches": n_batches, "per_seed": per_seed,
+           "selection": _mean_rows([s["selection"] for s in per_seed.values()]),
+           "learned": _mean_tree([s["learned"] for s in per_seed.values()]),
+           "group_tokens": _mean_tree([s["group_tokens"] for s in per_seed.values()])}
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(out, default=str))
+    return out
+
+
+def _mean_tree(trees: list):
+    """The element-wise mean of equally shaped nested dicts of numbers (NaN-ignoring; keys of the first)."""
+    first = trees[0]
+    if isinstance(first, dict):
+        return {k: _mean_tree([t[k] for t in trees if isinstance(t, dict) and k in t]) for k in first}
+    values = [float(t) for t in trees if t is not None and not (isinstance(t, float) and math.isnan(t))]
+    return float(np.mean(values)) if values else math.nan
+
+
+def _mean_rows(per_seed: list[list[dict]]) -> list[dict]:
+    """Selection rows averaged over seeds, matched by (arm, when)."""
+    order = [(r["arm"], r["when"]) for r in per_seed[0]] if per_seed else []
+    out = []
+    for arm, when in order:
+        rows = [r for rows in per_seed for r in rows if (r["arm"], r["when"]) == (arm, when)]
+        out.append({**{k: v for k, v in rows[0].items() if k != "stats"}, "seeds": len(rows),
+                    "stats": _mean_tree([r["stats"] for r in rows])})
     return out

@@ -418,9 +418,151 @@ def sizing(setup: dict, arms: dict[str, ArmSummary]) -> list[dict]:
         worst = max((r["pilot_sd"] for r in rows if r["pilot_sd"]), default=None)
         out.append({"set": name, "claims": sized["claims"], "delta": sized["delta"], "pilot_seeds": sized["pilot_seeds"],
                     "pilot_note": sized.get("pilot_note", ""), "rows": rows, "seeds_needed": max(needed) if needed else None,
+                    "fits": sized.get("fits"),
                     "seeds": n, "detectable_at_worst_sd": None if worst is None or n < 2 else
                     detectable_difference(worst, n, power["power"])})
     return out
+
+
+SEQ_ARM = re.compile(r"^guided_r(\d+)_seq$")  # guided ranked per sequence, by ratio
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+
+def _num(x, digits: int = 2, sign: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+def _row_label(row: dict) -> tuple[str, str, str]:
+    if row["ratio"] is None:
+        return "all", "(random: in expectation)", "-"
+    ranking = "per sequence" if row["rank_over"] == "sequence" else "micro-batch"
+    who = "base student (start)" if row["when"] == "start" else f"{row['arm']}'s final student (end)"
+    return f"{100 * row['ratio']:.0f}%", ranking, who
+
+
+def seq_tests(arms: dict[str, ArmSummary]) -> list[dict]:
+    """Per ratio with a per-sequence arm: guided (batch) - random, guided (sequence) - random and
+    guided (sequence) - guided (batch), seed-paired."""
+    out = []
+    for name in sorted(arms, key=lambda n: int(SEQ_ARM.match(n).group(1)) if SEQ_ARM.match(n) else -1):
+        m = SEQ_ARM.match(name)
+        if not m:
+            continue
+        r = int(m.group(1))
+        g, rnd = ("guided", "random") if r == 40 else (f"guided_r{r}", f"random_r{r}")
+        out.append({"ratio": r, "batch_vs_random": compare(arms, g, rnd), "sequence_vs_random": compare(arms, name, rnd),
+                    "sequence_vs_batch": compare(arms, name, g)})
+    return out
+
+
+def claim7_markdown(arms: dict[str, ArmSummary], sweep: dict) -> str:
+    """Claim 7's explanation: what each guided selection takes at each ratio, what each student
+    learned on unseen batches, and what per-sequence ranking changes."""
+    if not sweep or not sweep.get("selection"):
+        return "(not measured)"
+    where = next(iter(sweep["per_seed"].values()))["where"]
+    lines = [f"Measured on the {sweep['n_batches']} micro-batches (8 × 256 tokens) that follow each run's last trained "
+             f"sample in the data order of sweep seed{'s' if len(sweep['seeds']) > 1 else ''} "
+             f"{', '.join(str(s) for s in sweep['seeds'])} ({'unseen by every run' if where['unseen'] else 'the last batches of the stream: some were trained on'}), "
+             "with the trainer's own selection function (pipeline/guided_loss.py `select_tokens`), ranked by the base student "
+             "(the selection at the start) and by the arm's own final student (at the end); means over those seeds. "
+             "*From math pages*: the share of the selected tokens on math pages (the rest are noise pages); *teacher / "
+             "excess / student loss*: means over the selected tokens, in nats; *unmapped*: the share of the trained "
+             "tokens that are unmapped (always trained under `include`); *documents*: the effective number of documents "
+             "a micro-batch's selection comes from, exp(entropy); *top sequence*: the largest share of a micro-batch's "
+             "selection in one of its 8 sequences; *top ids*: the share taken by the selection's 10 most frequent token ids.", "",
+             "| ratio | ranking | ranked by | from math pages | selected rate: math / noise | teacher loss | excess loss | "
+             "student loss | unmapped among trained | documents per batch | top sequence | top ids |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = sorted(sweep["selection"], key=lambda r: (-1 if r["ratio"] is None else r["ratio"], r["rank_over"] or "",
+                                                     r["when"] == "end"))
+    for r in rows:
+        st = r["stats"]
+        ratio, ranking, who = _row_label(r)
+        lines.append(f"| {ratio} | {ranking} | {who} | {_pct(st['selected_share']['clean'])} | "
+                     f"{_pct(st['selected_rate']['clean'])} / {_pct(st['selected_rate']['noise'])} | "
+                     f"{_num(st['teacher_loss'])} | {_num(st['excess'], sign=True)} | {_num(st['student_loss'])} | "
+                     f"{_pct(st['unmapped_share_of_trained'])} | {_num(st['docs_effective'], 1)} | "
+                     f"{_pct(st['top_sequence_share'])} | {_pct(st['top_ids_share'])} |")
+    learned = sweep.get("learned") or {}
+    if learned:
+        groups = list(learned["base"])
+        sizes = sweep.get("group_tokens") or {}
+        lines += ["", "What each student learned, on the same unseen batches: mean loss (nats per token) of the base student, "
+                  "and each final student's change from it, by token group: math-page tokens in the base student's "
+                  "guided top 10% (micro-batch ranking), in its top 10-40%, the other math-page tokens, and noise-page "
+                  "tokens. Group sizes (tokens per seed): " + ", ".join(f"{g}: {sizes.get(g, 0):,.0f}" for g in groups) + ".", "",
+                  "| student | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups),
+                  "| base (before training) | " + " | ".join(_num(learned["base"][g], 3) for g in groups) + " |"]
+
+        def order(name: str) -> tuple:
+            a = arms.get(name)
+            return (a.mode if a else name, a.ratio if a else 0, name)
+
+        for name in sorted((n for n in learned if n != "base"), key=order):
+            lines.append(f"| {name} | " + " | ".join(_num(learned[name][g] - learned["base"][g], 3, sign=True)
+                                                    for g in groups) + " |")
+    tests = seq_tests(arms)
+    if tests:
+        lines += ["", "Per-sequence ranking (`loss.rank_over=sequence`: k per sequence instead of k over the micro-batch), "
+                  "held-out bits/byte, seed-paired (negative: the first arm better):", "",
+                  "| ratio | guided (micro-batch) - random | guided (per sequence) - random | guided (per sequence) - guided (micro-batch) |",
+                  "|---|---|---|---|"]
+        for t in tests:
+            lines.append(f"| {t['ratio']}% | {_diff_cell(t['batch_vs_random'])} | {_diff_cell(t['sequence_vs_random'])} | "
+                         f"{_diff_cell(t['sequence_vs_batch'])} |")
+    summary = claim7_summary(sweep, tests)
+    if summary:
+        lines += ["", summary]
+    return "\n".join(lines)
+
+
+def _find(sweep: dict, ratio: float | None, rank_over: str | None = "batch", when: str = "start") -> dict | None:
+    for r in sweep["selection"]:
+        if r["ratio"] is None and ratio is None:
+            return r["stats"]
+        if r["ratio"] is not None and ratio is not None and abs(r["ratio"] - ratio) < 1e-9 \
+                and r["rank_over"] == rank_over and r["when"] == when:
+            return r["stats"]
+    return None
+
+
+def claim7_summary(sweep: dict, tests: list[dict]) -> str:
+    """The figures that answer "why does guidance lose at small ratios", in words (no verdict: the
+    verdicts are claim 7's and the tables')."""
+    lo, mid, every = _find(sweep, 0.1), _find(sweep, 0.4), _find(sweep, None)
+    if not (lo and mid and every):
+        return ""
+    per_batch = next(iter(sweep["per_seed"].values()))["where"].get("sequences_per_batch", 8)
+    text = [f"**In short.** At 10% the guided selection (micro-batch ranking, base student) takes "
+            f"{_pct(lo['selected_share']['clean'])} of its tokens from math pages (40%: {_pct(mid['selected_share']['clean'])}; "
+            f"all mapped tokens: {_pct(every['selected_share']['clean'])}); their mean teacher loss is "
+            f"{_num(lo['teacher_loss'])} nats (40%: {_num(mid['teacher_loss'])}; all: {_num(every['teacher_loss'])}), their "
+            f"student loss {_num(lo['student_loss'])} (40%: {_num(mid['student_loss'])}; all: {_num(every['student_loss'])}), "
+            f"their excess loss {_num(lo['excess'], sign=True)} (40%: {_num(mid['excess'], sign=True)}). "
+            f"It comes from {_num(lo['docs_effective'], 1)} effective documents per micro-batch (40%: "
+            f"{_num(mid['docs_effective'], 1)}; all tokens: {_num(every['docs_effective'], 1)}), one sequence holding "
+            f"{_pct(lo['top_sequence_share'])} of it (an even spread: {_pct(1 / per_batch)}), and its 10 most frequent token "
+            f"ids make {_pct(lo['top_ids_share'])} of it (40%: {_pct(mid['top_ids_share'])}; all: {_pct(every['top_ids_share'])}). "
+            f"Unmapped tokens are {_pct(lo['unmapped_share_of_trained'])} of what is trained at 10% "
+            f"({_pct(mid['unmapped_share_of_trained'])} at 40%)."]
+    learned = sweep.get("learned") or {}
+    if "guided_r10" in learned and "random_r10" in learned:
+        groups = list(learned["base"])
+        g, r = learned["guided_r10"], learned["random_r10"]
+        text.append("After training, relative to the base student, guided_r10 changed its loss by "
+                    + ", ".join(f"{_num(g[k] - learned['base'][k], 3, sign=True)} ({k})" for k in groups)
+                    + "; random_r10 by " + ", ".join(f"{_num(r[k] - learned['base'][k], 3, sign=True)} ({k})" for k in groups) + ".")
+    t10 = next((t for t in tests if t["ratio"] == 10), None)
+    if t10 and t10["sequence_vs_batch"] is not None:
+        text.append(f"Ranking per sequence at 10%: guided (per sequence) - guided (micro-batch) = "
+                    f"{_diff_cell(t10['sequence_vs_batch'])}; guided (per sequence) - random = {_diff_cell(t10['sequence_vs_random'])}.")
+    return " ".join(text)
 
 
 def power_markdown(setup: dict, arms: dict[str, ArmSummary]) -> str:
@@ -445,15 +587,17 @@ def power_markdown(setup: dict, arms: dict[str, ArmSummary]) -> str:
                          + ("-" if r["achieved_sd"] is None or math.isnan(r["achieved_sd"]) else f"{r['achieved_sd']:.4f}")
                          + f" ({r['achieved_n']}) | " + ("-" if r["half_width"] is None else f"{r['half_width']:.4f}") + " |")
         need, n = s["seeds_needed"], s["seeds"]
+        seeds = f"{n} seed{'s' if n != 1 else ''}"
         if need is None:
-            lines += ["", f"No pilot sd recorded: the set has {n} seeds, not sized by the rule."]
+            lines += ["", f"No pilot sd recorded: the set has {seeds}, not sized by the rule."]
         elif n >= need:
             lines += ["", f"The rule asks for {need} seeds; the set has {n}."]
         else:
-            lines += ["", f"The rule asks for {need} seeds; **{n} fit in the study's time and ran**: with {n} seeds and the "
-                          f"largest pilot sd, the difference found with power {pw:.0%} is about "
-                          f"{s['detectable_at_worst_sd']:.4f} bits/byte rather than {s['delta']}; smaller true differences "
-                          "mostly read as inconclusive."]
+            why = (f"**only {n} fit in the study's time (power.max_runs) and ran**" if s["fits"] == n
+                   else f"the set has {seeds} (fewer than the rule asks: set on the command line)")
+            lines += ["", f"The rule asks for {need} seeds; {why}: with {seeds} and the largest pilot sd, the difference "
+                          f"found with power {pw:.0%} is about {s['detectable_at_worst_sd']:.4f} bits/byte rather than "
+                          f"{s['delta']}; smaller true differences mostly read as inconclusive."]
         lines.append("")
     if power.get("settings_note"):
         lines.append(power["settings_note"])
@@ -564,7 +708,7 @@ def _json_safe(x):
 
 
 def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Path,
-                 diagnosis: dict | None = None) -> dict:
+                 diagnosis: dict | None = None, sweep_diagnosis: dict | None = None) -> dict:
     """``report.md`` (everything), ``report.json`` (every run and test), ``summary.md`` (the claims
     table alone) and the plots, in ``out_dir``; returns the JSON record."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -580,6 +724,9 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
         + ", ".join(f"{k}: {len(v)}" for k, v in seed_sets.items())
         + f"), {setup['train_tokens_per_run']:,} training tokens each; wall time {setup['seconds'] / 60:.1f} min on "
         f"{setup['machine']}, load average {setup.get('load_average_at_start')} at the start"
+        + (f", {setup['load_average_during']['mean_1min']} on average over the run (1-minute load, sampled every "
+           f"{setup['load_average_during']['every_s']:.0f} s; max {setup['load_average_during']['max_1min']})"
+           if setup.get("load_average_during") else "")
         + (f" ({setup['runs_read_from_cache']} runs read from an earlier launch)" if setup.get("runs_read_from_cache") else "")
         + ".", "",
         *([f"**Partial report: {setup['n_runs']} of the {setup['runs_planned']} planned runs had finished.** "
@@ -594,6 +741,8 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
         "uniformly). Differences are seed-paired, with their verdict for \"beats\" (negative is better).", "",
         sweep_markdown(arms), "",
         noise_markdown(arms, setup), "",
+        "## Claim 7: what the guided selection takes at each ratio", "",
+        claim7_markdown(arms, sweep_diagnosis or {}), "",
         "## Held-out answers", "",
         "Teacher-forced measures on held-out worked problems (one fixed set of 150 problems per kind for every run): "
         "the answer's bits per byte given the problem, and a three-way choice between the true answer and the same "
@@ -607,6 +756,7 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
     ])
     (out_dir / "report.md").write_text(body)
     record = {"setup": setup, "rule": RULE, "claims": claims, "power_sizing": sizing(setup, arms), "diagnosis": diagnosis or {},
+              "sweep_diagnosis": {k: v for k, v in (sweep_diagnosis or {}).items()}, "per_sequence": seq_tests(arms),
               "arms": {n: {"teacher": arms[n].teacher, "student": arms[n].student, "mode": arms[n].mode,
                            "ratio": arms[n].ratio, "noise_share": arms[n].noise_share,
                            **{m: arms[n].interval(m) for m in METRICS}} for n in order if n in arms},

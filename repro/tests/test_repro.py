@@ -243,7 +243,7 @@ def test_write_report_files_and_summary(tmp_path):
     assert {r["scored_folder"] for r in written["runs"]} == {"scored/strong/v1"}  # no machine paths
     body = (tmp_path / "out" / "report.md").read_text()
     assert "interval lies wholly on the claimed side of zero" in body and "Partial report: 68 of the 70" in body
-    assert "The rule asks for 17 seeds; **4 fit in the study's time and ran**" in body  # sd 0.0134, delta 0.01, 80%
+    assert "The rule asks for 17 seeds; the set has 4 seeds (fewer than the rule asks" in body  # sd 0.0134, delta 0.01, 80%
     assert "Settings committed first." in body
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "(2026-11-21)" in summary and "partial: 68 of 70 planned runs" in summary
@@ -309,12 +309,12 @@ def test_selection_diagnosis_by_hand():
 # End to end: the real stage, tiny settings
 
 
-KEEP = ("guided", "cpt", "random_r20", "guided_noise0", "cpt_noise0", "bbpe_guided")
+KEEP = ("guided", "cpt", "random_r20", "guided_noise0", "cpt_noise0", "bbpe_guided", "guided_r10_seq")
 
 
 def _small_args(tmp_path: Path) -> list[str]:
-    """The full pipeline at tiny settings: six arms (the main pair, one sweep arm, the noise-free
-    corpus's pair, the second student), two seeds for main arms and one for the rest."""
+    """The full pipeline at tiny settings: seven arms (the main pair, one sweep arm, the noise-free
+    corpus's pair, the second student, a per-sequence arm), two seeds for main arms and one for the rest."""
     drop = [f"~arms.{a}" for a in _conf_arms() if a not in KEEP] + ["~student_corpora.noise25"]
     return [
         sys.executable, "-m", "repro", *drop,
@@ -360,6 +360,13 @@ def test_make_repro_end_to_end_small(tmp_path):
     corpora = report["setup"]["student_corpora"]
     assert corpora["noise0"]["docs_by_kind"].get("noise", 0) == 0 and corpora["main"]["docs_by_kind"]["noise"] > 0
     assert set(report["diagnosis"]) == {"spm", "bbpe"}
+    sweep = report["sweep_diagnosis"]  # claim 7: the runs that differ from guided only in their selection, seed 100
+    assert sweep["seeds"] == [100] and set(sweep["learned"]) == {"base", "guided", "cpt", "random_r20", "guided_r10_seq"}
+    rows = {(r["arm"], r["when"]): r["stats"] for r in sweep["selection"]}
+    assert set(rows) == {("all mapped tokens", "start"), ("guided", "start"), ("guided", "end"),
+                         ("guided_r10_seq", "start"), ("guided_r10_seq", "end")}
+    assert rows["all mapped tokens", "start"]["selected_rate"]["clean"] == 1.0
+    assert rows["guided_r10_seq", "start"]["top_sequence_share"] == pytest.approx(0.5, abs=0.05)  # k per sequence, 2 of them
     for d in report["diagnosis"].values():  # kept shares by page kind add up to one
         assert sum(k["kept_share_of_all_kept"] for k in d["by_kind"].values()) == pytest.approx(1.0)
     assert "**" in (tmp_path / "report" / "summary.md").read_text() and (tmp_path / "report" / "sweep.png").is_file()
@@ -393,7 +400,8 @@ def _figures(report: dict) -> dict:
                                     {k: v for k, v in r["last_log"].items() if k not in TIMINGS})
             for r in report["runs"]}
     bases = {s: (b["bits_per_byte"], b.get("answers")) for s, b in report["setup"]["base_students"].items()}
-    return {"runs": runs, "bases": bases, "claims": report["claims"], "diagnosis": report["diagnosis"]}
+    return {"runs": runs, "bases": bases, "claims": report["claims"], "diagnosis": report["diagnosis"],
+            "sweep_diagnosis": report["sweep_diagnosis"]}
 
 
 @pytest.mark.slow
@@ -410,7 +418,7 @@ def test_make_repro_from_nothing_twice_gives_identical_figures(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         reports.append(json.loads((root / "report" / "report.json").read_text()))
     first, second = (_figures(r) for r in reports)
-    assert len(first["runs"]) == 8
+    assert len(first["runs"]) == 9
     assert {k: v for k, v in first["runs"].items() if second["runs"].get(k) != v} == {}
     assert first == second
 
@@ -437,3 +445,113 @@ def test_a_student_vocabulary_too_small_is_refused():
         _student_tokenizer(StudentSpec("x", "sentencepiece_bpe", 300), ["some text"] * 10)
     with pytest.raises(ValueError, match="student tokenizer 'wordpiece' is not one of"):
         _student_tokenizer(StudentSpec("x", "wordpiece", 3000), ["some text"])
+
+
+# --------------------------------------------------------------------------------------------
+# Claim 7's diagnosis: what the selection takes, on a hand-made batch against a brute-force count
+
+
+def _hand_batches() -> list[dict[str, np.ndarray]]:
+    """Two micro-batches of 2 sequences x 5 targets: page kinds, documents, token ids, losses."""
+    nan = np.nan
+    b1 = {"l_s": np.array([[5.0, 1.0, 4.0, 2.0, 3.0], [0.5, 6.0, 1.0, 2.5, 7.0]]),
+          "l_t": np.array([[1.0, 1.0, nan, 1.5, 0.5], [1.0, 0.5, 2.0, nan, 9.0]]),
+          "kind": np.array([["clean"] * 3 + ["noise"] * 2, ["noise"] + ["clean"] * 4], dtype=object),
+          "doc": np.array([[0, 0, 0, 1, 1], [1, 2, 2, 2, 2]]),
+          "ids": np.array([[7, 8, 7, 9, 7], [3, 7, 4, 5, 6]])}
+    b2 = {"l_s": np.array([[2.0, 2.0, 9.0, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0, 0.0]]),
+          "l_t": np.array([[0.0, 1.0, 1.0, 1.0, 1.0], [2.0, nan, 0.0, 1.0, 1.0]]),
+          "kind": np.array([["clean"] * 5, ["noise"] * 2 + ["clean"] * 3], dtype=object),
+          "doc": np.array([[5, 5, 5, 5, 5], [6, 6, 7, 7, 7]]),
+          "ids": np.array([[1, 1, 1, 2, 3], [4, 4, 7, 7, 7]])}
+    for b in (b1, b2):
+        b["mapped"] = ~np.isnan(b["l_t"])
+        b["valid"] = np.ones(b["l_s"].shape, bool)
+    return [b1, b2]
+
+
+@pytest.mark.parametrize("ratio,rank_over", [(0.2, "batch"), (0.4, "batch"), (0.4, "sequence"), (1.0, "batch")])
+def test_selection_diagnosis_against_brute_force(ratio, rank_over):
+    from pipeline.guided_loss import SelectionConfig
+
+    from repro.diagnose import TOP_IDS, select, selection_stats
+
+    batches = _hand_batches()
+    chosen = select(batches, [b["l_s"] for b in batches], SelectionConfig(ratio=ratio, rank_over=rank_over))
+    # the selection itself, by hand: per micro-batch (or sequence), the ceil(ratio * mapped) largest l_s - l_t
+    sel_tokens, trained_tokens = [], []  # (batch, row, col)
+    for i, b in enumerate(batches):
+        pools = [[(r, c) for r in range(2) for c in range(5)]] if rank_over == "batch" else \
+            [[(r, c) for c in range(5)] for r in range(2)]
+        for pool in pools:
+            cand = [(r, c) for r, c in pool if b["mapped"][r, c]]
+            k = math.ceil(ratio * len(cand) - 1e-6)
+            ranked = sorted(cand, key=lambda rc: (-(b["l_s"][rc] - b["l_t"][rc]), rc[0] * 5 + rc[1]))
+            sel_tokens += [(i, r, c) for r, c in ranked[:k]]
+        trained_tokens += [(i, r, c) for r in range(2) for c in range(5) if not b["mapped"][r, c]]
+    trained_tokens += sel_tokens
+    got = {(i, r, c) for i, b in enumerate(chosen) for r, c in zip(*np.nonzero(b["selected"]))}
+    assert got == set(sel_tokens)
+    st = selection_stats(chosen)
+    at = lambda key, t: batches[t[0]][key][t[1], t[2]]  # noqa: E731
+    assert st["selected"] == len(sel_tokens) and st["trained"] == len(trained_tokens) and st["tokens"] == 20
+    for kind in ("clean", "noise"):
+        mine = [t for t in sel_tokens if at("kind", t) == kind]
+        cand = [(i, r, c) for i, b in enumerate(batches) for r in range(2) for c in range(5)
+                if b["mapped"][r, c] and b["kind"][r, c] == kind]
+        assert st["selected_share"][kind] == pytest.approx(len(mine) / len(sel_tokens))
+        assert st["selected_rate"][kind] == pytest.approx(len(mine) / len(cand))
+        if mine:
+            assert st["excess_by_kind"][kind] == pytest.approx(np.mean([at("l_s", t) - at("l_t", t) for t in mine]))
+    assert st["teacher_loss"] == pytest.approx(np.mean([at("l_t", t) for t in sel_tokens]))
+    assert st["excess"] == pytest.approx(np.mean([at("l_s", t) - at("l_t", t) for t in sel_tokens]))
+    assert st["student_loss"] == pytest.approx(np.mean([at("l_s", t) for t in sel_tokens]))
+    unmapped = [t for t in trained_tokens if not at("mapped", t)]
+    assert len(unmapped) == 3 and st["unmapped_share_of_trained"] == pytest.approx(3 / len(trained_tokens))  # all trained
+    docs_eff, top_seq = [], []
+    for i in range(2):
+        mine = [t for t in sel_tokens if t[0] == i]
+        counts = np.array([sum(1 for t in mine if at("doc", t) == d) for d in sorted({at("doc", t) for t in mine})])
+        p = counts / counts.sum()
+        docs_eff.append(math.exp(-sum(x * math.log(x) for x in p)))
+        top_seq.append(max(sum(1 for t in mine if t[1] == r) for r in range(2)) / len(mine))
+    assert st["docs_effective"] == pytest.approx(np.mean(docs_eff))
+    assert st["top_sequence_share"] == pytest.approx(np.mean(top_seq))
+    ids = sorted((sum(1 for t in sel_tokens if at("ids", t) == v) for v in {at("ids", t) for t in sel_tokens}), reverse=True)
+    assert st["top_ids_share"] == pytest.approx(sum(ids[:TOP_IDS]) / len(sel_tokens))
+
+
+def test_selection_diagnosis_worked_values():
+    """The micro-batch top 20% of the hand batches, by hand: batch 1 has 8 mapped targets (k = 2):
+    excess 5.5 (row 1, col 1) and 4.0 (row 0, col 0); batch 2 has 9 (k = 2): 8.0 (row 0, col 2) and
+    3.0 (row 1, col 2)."""
+    from pipeline.guided_loss import SelectionConfig
+
+    from repro.diagnose import select, selection_stats
+
+    batches = _hand_batches()
+    st = selection_stats(select(batches, [b["l_s"] for b in batches], SelectionConfig(ratio=0.2)))
+    assert st["selected"] == 4 and st["selected_share"]["clean"] == 1.0 and st["selected_rate"]["clean"] == pytest.approx(4 / 13)
+    assert st["teacher_loss"] == pytest.approx((0.5 + 1.0 + 1.0 + 0.0) / 4)
+    assert st["excess"] == pytest.approx((5.5 + 4.0 + 8.0 + 3.0) / 4)
+    assert st["unmapped_share_of_trained"] == pytest.approx(3 / 7)  # 3 unmapped targets, trained with the 4
+    assert st["top_sequence_share"] == pytest.approx(0.5)  # one token per sequence in both batches
+    assert st["docs_effective"] == pytest.approx(2.0)  # two documents, one token each, in both batches
+    every = selection_stats(select(batches, [b["l_s"] for b in batches], SelectionConfig(mode="cpt")))
+    assert every["selected"] == 17 and every["unmapped_share_of_trained"] == pytest.approx(3 / 20)
+
+
+def test_loss_groups_and_their_means():
+    from repro.diagnose import loss_groups, mean_by_group
+
+    batches = _hand_batches()
+    groups = loss_groups(batches, [b["l_s"] for b in batches], ratios=(0.2, 0.5))
+    top = groups[0]["math, top 20%"]
+    assert top.sum() == 2 and top[1, 1] and top[0, 0]  # batch 1's top 20%, both on math pages
+    for g in groups:  # disjoint, and every math-page or noise-page target is in one group
+        total = sum(m.astype(int) for m in g.values())
+        assert total.max() == 1
+    means = mean_by_group([b["l_s"] for b in batches], groups)
+    noise = [b["l_s"][r, c] for b in batches for r in range(2) for c in range(5) if b["kind"][r, c] == "noise"]
+    assert means["noise"] == pytest.approx(np.mean(noise))
+    assert means["math, top 20%"] == pytest.approx(np.mean([5.0, 6.0, 9.0, 3.0]))

@@ -13,7 +13,7 @@ import stages.train_student  # noqa: F401  (registers the stage-2 defaults the r
 from pipeline.config import ConfigError
 from repro.config import study_config
 from repro.power import allot_seeds, paired_sd, pilot_record
-from repro.report import detectable_difference, seeds_needed, sizing, summarize
+from repro.report import detectable_difference, power_markdown, seeds_needed, sizing, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,9 +75,13 @@ def test_the_report_states_what_the_rule_asked_and_what_ran():
     rows = [{"arm": a, "seed": s, "teacher": "t", "student": "s", "bits_per_byte": 1.0 + d + 0.001 * s}
             for s in (100, 101, 102) for a, d in (("guided", 0.0), ("weak", 0.02))]
     [s] = sizing(setup, summarize(rows))
-    assert s["seeds_needed"] == 17 and s["seeds"] == 3
+    assert s["seeds_needed"] == 17 and s["seeds"] == 3 and s["fits"] is None
     assert s["rows"][0]["achieved_n"] == 3 and s["rows"][1]["seeds_needed"] is None
     assert s["detectable_at_worst_sd"] == pytest.approx(detectable_difference(0.0134, 3))
+    setup["power"]["sized"]["ablation"]["fits"] = 3
+    text = power_markdown(setup, summarize(rows))
+    assert "The rule asks for 17 seeds; **only 3 fit in the study's time (power.max_runs) and ran**" in text
+    assert "| guided - weak | 0.0134 | 17 | 0.0000 (3) | 0.0000 |" in text and "| guided - other | not run | - | - (0) | - |" in text
 
 
 def test_pilot_seeds_must_be_no_seed_of_the_study():
@@ -89,6 +93,8 @@ def test_pilot_seeds_must_be_no_seed_of_the_study():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         values = OmegaConf.to_container(compose("repro"), resolve=True)
     values["power"]["sized"]["bbpe"]["pilot_sd"] = {"bbpe_guided - nobody": 0.01}
+    study_config(values)  # a quick look may drop arms: a comparison's arm is checked for the pilot only
+    values["pilot"] = True
     values["power"]["sized"]["nothing"] = {"claims": [9], "delta": 0.01, "pilot_sd": {}, "pilot_seeds": [0]}
     with pytest.raises(ConfigError) as err:
         study_config(values)
