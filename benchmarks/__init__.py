@@ -27,6 +27,9 @@ case               what it measures
                    its own process (:mod:`benchmarks.memory`)
 ``teachers``       CPU time of the student data pipeline with two teachers / with one, the same
                    samples (:mod:`benchmarks.teachers`)
+``vllm_backend``   the vLLM backend against the transformers backend on the same windows: tokens/s
+                   in steady state, start-up, peak memory; in ``.venv-vllm`` (skipped without it)
+                   (:mod:`benchmarks.vllm_backend`)
 ``export``         student tokens per CPU-second of ``make export-student`` / of tokenization alone,
                    bytes per student token of each format, peak RSS at several shards / one
                    (:mod:`benchmarks.export`)
@@ -42,4 +45,5 @@ torch, transformers, accelerate, pyarrow, Hydra and OmegaConf.
 Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes and checks the report's shape.
 """
 
-CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export", "served_teacher")
+CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export",
+         "vllm_backend", "served_teacher")

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from benchmarks.config import BenchConfig, bench_config
 from benchmarks.served_teacher import MEASURES as SERVED_MEASURES
+from benchmarks.vllm_backend import MEASURES as VLLM_MEASURES
 from stages.common import entry_point, quiet_libraries
 
 log = logging.getLogger("bench")
@@ -41,6 +42,7 @@ CASE_MEASURES = {
     "memory": [("memory", "memory growth (10x/1x peak RSS)", "target", "<=")],
     "teachers": [("two_teachers", "two-teacher data pipeline (two teachers / one, CPU time)", "target", "<=")],
     "served_teacher": [(key, measure, None, None) for key, measure in SERVED_MEASURES.values()],
+    "vllm_backend": [(key, measure, None, None) for key, measure in VLLM_MEASURES.values()],
     "export": [("export_throughput", "export-student throughput per core / tokenization alone (tokens per CPU-s)",
                 "target", ">="),
                ("export_memory", "memory growth, export-student (peak RSS, more shards / one)", "memory_target", "<=")],
@@ -60,6 +62,13 @@ class Inputs:
         from benchmarks.inputs import real_tokenizer
 
         return real_tokenizer(name, self.tokenizers_dir, self.work / "tokenizers")
+
+    def tiny_teacher_and_corpus(self) -> tuple[Path, list[str]]:
+        """The embedded tiny teacher and the sample corpus it was trained on (built once if missing)."""
+        from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
+
+        artifacts = to_absolute_path(self.cfg.artifacts_dir)
+        return ensure_tiny_teacher(artifacts), [str(f) for f in ensure_sample_corpus(artifacts)]
 
     def scored_dataset(self) -> Path:
         """The configured scored dataset if complete; else one made now with the tiny teacher."""
@@ -115,6 +124,8 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
     if name == "memory":
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.teacher_tokenizer),
                         inputs.tokenizer(case_cfg.student_tokenizer))
+    if name == "vllm_backend":
+        return case.run(case_cfg, work, *inputs.tiny_teacher_and_corpus())
     if name == "served_teacher":
         from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
 

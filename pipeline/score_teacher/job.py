@@ -25,6 +25,7 @@ from typing import Mapping
 
 import ray
 import torch
+import transformers
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
@@ -44,7 +45,7 @@ from pipeline.provenance import code_version, is_local_model, model_identity
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
 from pipeline.score_teacher.backends.server import ApiKey, ServedTeacher, api_key, check_server, share_in_flight
-from pipeline.score_teacher.backends.vllm import engine_args, engine_window
+from pipeline.score_teacher.backends.vllm import check_installed, engine_args, engine_window
 from pipeline.score_teacher.corpus import (
     CorpusConfig,
     CorpusError,
@@ -275,6 +276,7 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
     if served is not None:
         scorer = replace(scorer, url=served.url, served_model=served.name)
     if scorer.backend == "vllm":
+        check_installed()
         engine_args(scorer)  # refuse settings the engine would refuse, before Ray starts
     identity = {
         "format": IDENTITY_FORMAT,
@@ -364,6 +366,7 @@ class ShardScorer:
         self.version = version
         self.node = _this_node()
         self.tokenizer = self.scorer = None
+        self.engine: dict = {}  # what computes the losses: name, version, device (each shard's marker)
 
     def load(self) -> dict:
         """Load the tokenizer and the teacher; returns :meth:`describe`."""
@@ -374,6 +377,7 @@ class ShardScorer:
             self.tokenizer = load_tokenizer(teacher.tokenizer or teacher.model, revision=teacher.revision,
                                             trust_remote_code=teacher.trust_remote_code)
             self.scorer = make_scorer(self.prepared.scorer, self.key)
+            self.engine = engine_of(self.scorer)
         return self.describe()
 
     def score_shard(self, spec: ShardSpec, attempt: int = 1) -> dict:
@@ -389,7 +393,7 @@ class ShardScorer:
         entry = write_shard(
             self.cfg.output_dir, spec.index, result, self.prepared.identity,
             _shard_source(spec), self.version, storage=self.cfg.storage,
-            scored_by={**self.node, "attempt": attempt},
+            scored_by={**self.node, "attempt": attempt, "engine": self.engine},
         )
         entry["seconds"] = time.perf_counter() - t0
         return entry
@@ -398,6 +402,19 @@ class ShardScorer:
         """Where this actor runs, and where its code was imported from (a copy shipped by Ray's
         runtime environment, or the installed package)."""
         return {**self.node, "pid": os.getpid(), "code": os.path.dirname(os.path.abspath(pipeline.__file__))}
+
+
+def engine_of(scorer) -> dict:
+    """The engine behind a scorer, for the markers and the card (never the identity: a patch
+    release must not orphan a dataset): the vLLM backend says it; the transformers backend is
+    transformers on torch."""
+    described = scorer.describe()
+    if "engine" in described:
+        return dict(described["engine"])
+    if described.get("backend") == "transformers":
+        return {"name": "transformers", "version": transformers.__version__, "torch": torch.__version__,
+                "device": described.get("device")}
+    return {"name": described.get("backend")}
 
 
 def _this_node() -> dict:

@@ -329,6 +329,8 @@ def is_transient(exc: BaseException) -> bool:
                         rx.ObjectLostError, rx.OutOfMemoryError, rx.LocalRayletDiedError)):
         return True
     cause = exc.cause if isinstance(exc, rx.RayTaskError) else exc
+    if isinstance(cause, UserError):  # e.g. an engine that cannot start with these settings
+        return False
     if type(cause).__name__ == "OutOfMemoryError" and type(cause).__module__.startswith("torch"):
         return True  # torch.cuda.OutOfMemoryError (torch.OutOfMemoryError)
     return isinstance(cause, OSError) and cause.errno not in PERMANENT_ERRNOS
@@ -487,6 +489,9 @@ class ScorerPool:
                      first_line(exc))
             return
         self.load_failures += 1
+        cause = exc.cause if isinstance(exc, rx.RayTaskError) else None
+        if isinstance(cause, UserError):  # the actor's own one-line error (an engine that cannot start): as it is
+            raise cause from None
         if not is_transient(exc) or self.load_failures > self.pool.shard_retries:
             raise ActorStartError(f"a scorer actor failed to start ({self.load_failures} in a row): "
                                   f"{first_line(exc)}\n{exc}") from exc

