@@ -3,7 +3,7 @@
 A backend scores *windows*: token-id sequences no longer than the teacher's context. For a window
 ``w`` it returns ``losses`` with ``losses[i] = -log p(w[i] | w[:i])`` in float32 and
 ``losses[0] = NaN`` (nothing predicts the first token of a window). Window planning and stitching
-(:mod:`pipeline.score_teacher.windows`) are shared by all backends, so every backend stores the same thing.
+(:mod:`pipeline.windows`) are shared by all backends, so every backend stores the same thing.
 """
 
 from __future__ import annotations
@@ -54,6 +54,10 @@ class ScorerConfig:
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "backend", self.backend, BACKENDS)
+        check_choice(found, "dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        for key in ("max_batch_tokens", "max_logits_bytes", "max_num_seqs", "tensor_parallel_size"):
+            check_at_least(found, key, getattr(self, key), 1)
+        check_at_least(found, "max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_at_least(found, "kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         found += self._server_problems()
         return found
