@@ -19,7 +19,7 @@ both in tokens/s, and the whole run with its fixed set-up). Figures
 ``export_bytes_<format>``: bytes on disk per student token of each format. Figure ``export_memory``:
 the export's peak RSS in a child process (the kernel's high-water mark and a sampler over its
 process tree, :func:`benchmarks.memory.measure_subprocess`) at ``scale`` times the shards against
-one shard.
+a few (``base_shards``: the readers' bounded caches are full there).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class ExportBenchConfig:
     formats: list[str] = field(default_factory=lambda: list(FORMATS))  # those whose package is installed
     repeats: int = 3
     warmup: int = 1
-    scale: int = 4  # memory: this many shards against one (at most the shards the dataset has)
+    base_shards: int = 3  # memory: base_shards scored shards against scale times as many (at most all of them);
+    scale: int = 4  # more than one, since the readers' bounded caches hold a few row groups of a few shards
     memory_rows_per_shard: int = 32  # small, so both sizes write several output shards
     interval_s: float = 0.05
     timeout_s: float = 600.0
@@ -59,7 +60,7 @@ class ExportBenchConfig:
 
     def problems(self) -> list[str]:
         problems: list[str] = []
-        for name in ("max_shards", "seq_len", "rows_per_shard", "memory_rows_per_shard", "repeats"):
+        for name in ("max_shards", "seq_len", "rows_per_shard", "memory_rows_per_shard", "repeats", "base_shards"):
             check_at_least(problems, name, getattr(self, name), 1)
         check_at_least(problems, "warmup", self.warmup, 0)
         check_at_least(problems, "scale", self.scale, 2)
@@ -163,24 +164,25 @@ def run(cfg: ExportBenchConfig, work_dir: str | os.PathLike, tokenizer_dir: str 
 def _memory(cfg: ExportBenchConfig, work: Path, tokenizer_dir: str, dataset, n_all: int, formats) -> dict:
     from benchmarks.memory import measure_subprocess
 
-    scale = min(cfg.scale, n_all)
-    measure = f"memory growth, export-student ({scale} shards / 1 shard, peak RSS)"
-    if scale < 2:
+    base = min(cfg.base_shards, max(1, n_all // 2))
+    large_n = min(base * cfg.scale, n_all)
+    measure = f"memory growth, export-student ({large_n} scored shards / {base}, peak RSS)"
+    if large_n <= base:
         return {"figure": figure("export_memory", measure, None, cfg.memory_target, "<=",
                                  note="not measured: the scored dataset has one shard")}
     runs = {}
-    for n in (1, scale):
+    for n in (base, large_n):
         scored = subset(dataset, n, work / f"memory-scored-{n}")
         args = {"job": [tokenizer_dir, str(scored), str(work / f"memory-out-{n}"), str(work / f"memory-lengths-{n}"),
                         cfg.seq_len, cfg.memory_rows_per_shard, formats]}
         runs[n] = measure_subprocess("export", args, cfg.interval_s, cfg.timeout_s, module="benchmarks.export")
-    small, large = runs[1], runs[scale]
+    small, large = runs[base], runs[large_n]
     if small.get("error") or large.get("error"):
         return {"runs": runs, "figure": figure("export_memory", measure, None, cfg.memory_target, "<=",
                                                note=f"not measured: {small.get('error') or large.get('error')}"[:400])}
     ratios = {k: large[k] / small[k] for k in ("peak_tree_mib", "root_hwm_mib") if small.get(k)}
     worst = max(ratios, key=ratios.get)
-    note = (f"{small['workload']['rows']} vs {large['workload']['rows']} rows; peak MiB 1/{scale} shards: tree "
+    note = (f"{small['workload']['rows']} vs {large['workload']['rows']} rows; peak MiB {base}/{large_n} shards: tree "
             f"{small['peak_tree_mib']:.0f}/{large['peak_tree_mib']:.0f}, root {small['root_hwm_mib']:.0f}/"
             f"{large['root_hwm_mib']:.0f}; figure = the larger ratio ({worst.replace('_mib', '')})")
     return {"runs": runs, "figure": figure("export_memory", measure, ratios[worst], cfg.memory_target, "<=",

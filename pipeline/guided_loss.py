@@ -188,8 +188,9 @@ def _generator_device(generator: torch.Generator | None, like: torch.Tensor) -> 
 
 @dataclass(frozen=True)
 class GuidedLoss:
-    """What :func:`guided_loss` returns. Unpacks as ``loss, stats``; the per-token pieces the loss
-    was computed from, (B, T) each, are there for further statistics (per-teacher metrics, §2.6)."""
+    """What :func:`guided_loss` returns. Reads as the pair ``(loss, stats)`` (unpacking, ``[0]``,
+    ``[1]``); the per-token pieces the loss was computed from, (B, T) each, are there for further
+    statistics (per-teacher metrics, §2.6)."""
 
     loss: torch.Tensor  # 0-dim, with gradient into the trained tokens only
     stats: SelectionStats
@@ -197,8 +198,14 @@ class GuidedLoss:
     valid: torch.Tensor  # bool: label not ignored
     selected: torch.Tensor  # bool: the mapped tokens chosen (every trained token is selected or unmapped)
 
-    def __iter__(self):
+    def __iter__(self):  # as the ``(loss, stats)`` tuple it used to be
         return iter((self.loss, self.stats))
+
+    def __getitem__(self, index):
+        return (self.loss, self.stats)[index]
+
+    def __len__(self) -> int:
+        return 2
 
 
 def guided_loss(

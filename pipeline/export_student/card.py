@@ -4,8 +4,9 @@ Its front matter names the Parquet shards the manifest lists in ``configs`` (nev
 folder also holds Megatron and litdata files), so ``datasets.load_dataset(<folder>)`` reads exactly
 them. Its body says what made the export (the scored folders and their identities, the student
 tokenizer, the alignment and packing settings), how much there is, the teacher-loss statistics of
-the student tokens (from the markers' histograms, :mod:`pipeline.loss_histogram`), the files of
-each format and the schema.
+the student tokens (mean, min and max exact from the markers; quantiles from a histogram of the
+shards' ``teacher_loss`` column, :mod:`pipeline.loss_histogram`, read a batch at a time and from
+evenly spaced shards above :data:`STATS_TOKEN_BUDGET` tokens), the files of each format and the schema.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import os
 from typing import Mapping, Sequence
 
 import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from huggingface_hub import DatasetCardData
 
 from pipeline.export_student import rows as rows_module
 from pipeline.export_student.formats import LITDATA_INDEX, megatron_prefix
+from pipeline.dataset_card import STATS_TOKEN_BUDGET, stats_sample
 from pipeline.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram
 from storage_schemas import CARD_NAME, MANIFEST_NAME
 from storage_schemas import filesystem as sfs
@@ -27,17 +31,28 @@ QUANTILES = {"p10": 0.1, "median": 0.5, "p90": 0.9}
 TAGS = ["teacher-losses", "token-level", "knowledge-distillation", "vocagno", "student-export"]
 
 
-def histogram(totals: Mapping) -> LossHistogram:
-    """The teacher losses of the mapped student tokens, from the manifest's merged bins."""
-    bins = totals.get("loss_bins") or {}
-    keys = np.asarray(sorted(int(k) for k in bins), dtype=np.int64)
-    counts = np.asarray([bins[str(k)] for k in keys], dtype=np.int64)
-    return LossHistogram(bin_width=DEFAULT_BIN_WIDTH, bins=keys, counts=counts,
-                         lowest=_number(totals.get("loss_min")), highest=_number(totals.get("loss_max")))
-
-
-def _number(value) -> float:
-    return float("nan") if value is None else float(value)
+def loss_histogram(folder, entries: Sequence[Mapping], token_budget: int = STATS_TOKEN_BUDGET) -> tuple[LossHistogram, int]:
+    """The finite teacher losses of the shards ``entries`` lists, counted in :mod:`pipeline.loss_histogram`'s
+    bins, a record batch at a time; above ``token_budget`` tokens only evenly spaced shards are read.
+    Returns the histogram and the number of shards read."""
+    chosen = stats_sample(entries, token_budget)
+    counts: dict[int, int] = {}
+    low, high = math.inf, -math.inf
+    for entry in chosen:
+        fs, path = sfs.resolve(sfs.join(os.fspath(folder), entry["file"]))
+        with fs.open_input_file(path) as f:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=256, columns=["teacher_loss"]):
+                values = pc.list_flatten(batch.column(0)).to_numpy(zero_copy_only=False).astype(np.float64)
+                values = values[np.isfinite(values)]
+                if values.size:
+                    low, high = min(low, float(values.min())), max(high, float(values.max()))
+                    bins, n = np.unique(np.floor(values / DEFAULT_BIN_WIDTH).astype(np.int64), return_counts=True)
+                    for b, c in zip(bins.tolist(), n.tolist()):
+                        counts[b] = counts.get(b, 0) + c
+    keys = np.asarray(sorted(counts), dtype=np.int64)
+    return LossHistogram(bin_width=DEFAULT_BIN_WIDTH, bins=keys, counts=np.asarray([counts[k] for k in keys.tolist()],
+                         dtype=np.int64), lowest=low if counts else math.nan, highest=high if counts else math.nan), \
+        len(chosen)
 
 
 def front_matter(manifest: Mapping) -> dict:
@@ -59,10 +74,10 @@ def title_of(manifest: Mapping) -> str:
     return f"{', '.join(sorted(corpora))} scored by {' + '.join(names)}, for a student tokenizer"
 
 
-def card_text(manifest: Mapping) -> str:
+def card_text(manifest: Mapping, histogram: LossHistogram, shards_read: int) -> str:
     yaml_text = DatasetCardData(**front_matter(manifest)).to_yaml()
-    sections = [_title(manifest), _sources(manifest), _settings(manifest), _counts(manifest), _losses(manifest),
-                _files(manifest), _schema(), _loading()]
+    sections = [_title(manifest), _sources(manifest), _settings(manifest), _counts(manifest),
+                _losses(manifest, histogram, shards_read), _files(manifest), _schema(), _loading()]
     return f"---\n{yaml_text}\n---\n\n" + "\n\n".join(s.strip("\n") for s in sections) + "\n"
 
 
@@ -141,18 +156,20 @@ def _counts(manifest: Mapping) -> str:
     return "## Counts\n\n" + _table(("", ""), rows)
 
 
-def _losses(manifest: Mapping) -> str:
+def _losses(manifest: Mapping, histogram: LossHistogram, shards_read: int) -> str:
     t = manifest.get("totals") or {}
-    h = histogram(t)
 
-    def nats(x: float) -> str:
-        return "-" if math.isnan(x) else f"{x:.4f}"
+    def nats(x) -> str:
+        return "-" if x is None or math.isnan(x) else f"{x:.4f}"
 
     mean = t["loss_sum"] / t["mapped"] if t.get("mapped") else float("nan")
-    rows = [("mean", nats(mean)), *((name, nats(h.quantile(q))) for name, q in QUANTILES.items()),
-            ("min", nats(h.lowest)), ("max", nats(h.highest))]
-    return ("## Teacher loss of the student tokens\n\nOver the mapped student tokens of every written shard, in "
-            f"nats (quantiles within {DEFAULT_BIN_WIDTH:.4f} of exact):\n\n" + _table(("", "nats"), rows))
+    rows = [("mean", nats(mean)), *((name, nats(histogram.quantile(q))) for name, q in QUANTILES.items()),
+            ("min", nats(t.get("loss_min"))), ("max", nats(t.get("loss_max")))]
+    shards = len(manifest.get("shards", []))
+    scope = f"all {shards:,} shards" if shards_read == shards else f"{shards_read:,} evenly spaced shards of {shards:,}"
+    return ("## Teacher loss of the student tokens\n\nOver the mapped student tokens, in nats: mean, min and max of "
+            f"every shard; quantiles from {scope}, within {DEFAULT_BIN_WIDTH:.4f} of exact.\n\n"
+            + _table(("", "nats"), rows))
 
 
 def _files(manifest: Mapping) -> str:
@@ -219,7 +236,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def write_card(folder: str | os.PathLike, manifest: Mapping) -> None:
     """``<folder>/README.md`` (one PUT on an object store, an atomic replace locally)."""
-    data = card_text(manifest).encode("utf-8")
+    data = card_text(manifest, *loss_histogram(folder, manifest.get("shards", []))).encode("utf-8")
     location = sfs.child(folder, CARD_NAME)
     if sfs.is_remote(location):
         sfs.write_bytes(location, data)

@@ -33,7 +33,6 @@ from pipeline.export_student.config import ExportJobConfig
 from pipeline.export_student.formats import LITDATA_INDEX, LITDATA_SUFFIX, shard_parts, write_litdata_index
 from pipeline.export_student.rows import Row, RowSource, row_schema, rows_table
 from pipeline.folder_lock import exclusive_writer
-from pipeline.loss_histogram import DEFAULT_BIN_WIDTH
 from pipeline.provenance import code_version
 from pipeline.several_teachers import open_teachers, teacher_names
 from pipeline.shard_folder import (
@@ -173,14 +172,13 @@ def shard_rows(index: int, rows_per_shard: int, n_rows: int) -> range:
 
 
 def shard_stats(rows: list[Row]) -> dict:
-    """A shard's counts and its teacher-loss histogram (the bins of :mod:`pipeline.loss_histogram`)."""
+    """A shard's counts and the exact sum, min and max of its teacher losses (the card's quantiles
+    are read from the shards, :func:`pipeline.export_student.card.loss_histogram`)."""
     losses = np.concatenate([r.teacher_loss for r in rows]).astype(np.float64)
     finite = losses[np.isfinite(losses)]
-    bins, counts = np.unique(np.floor(finite / DEFAULT_BIN_WIDTH).astype(np.int64), return_counts=True)
     return {"tokens": int(losses.size), "mapped": int(finite.size), "loss_sum": float(finite.sum()),
             "loss_min": float(finite.min()) if finite.size else None,
-            "loss_max": float(finite.max()) if finite.size else None,
-            "loss_bins": {str(b): int(c) for b, c in zip(bins.tolist(), counts.tolist())}}
+            "loss_max": float(finite.max()) if finite.size else None}
 
 
 def write_export_shard(job: ExportJobConfig, source: RowSource, index: int, n_rows: int, schema) -> dict:
@@ -206,22 +204,18 @@ def format_of(file: str) -> str:
 
 
 def totals_of(done: dict[int, dict]) -> dict:
-    """The manifest's totals: rows, tokens, mapped tokens, bytes per format, the merged loss histogram."""
+    """The manifest's totals: rows, tokens, mapped tokens, the teacher losses' sum, min and max, bytes per format."""
     entries = [done[i] for i in sorted(done)]
     size: dict[str, int] = {}
     for e in entries:
         for f in [{"file": e["file"], "bytes": e["bytes"]}, *e.get("parts", [])]:
             size[format_of(f["file"])] = size.get(format_of(f["file"]), 0) + int(f["bytes"])
-    bins: dict[str, int] = {}
-    for e in entries:
-        for b, c in e.get("loss_bins", {}).items():
-            bins[b] = bins.get(b, 0) + c
     lows = [e["loss_min"] for e in entries if e.get("loss_min") is not None]
     highs = [e["loss_max"] for e in entries if e.get("loss_max") is not None]
     return {"shards": len(entries), "rows": sum(e["rows"] for e in entries), "tokens": sum(e["tokens"] for e in entries),
             "mapped": sum(e["mapped"] for e in entries), "loss_sum": sum(e["loss_sum"] for e in entries),
             "loss_min": min(lows) if lows else None, "loss_max": max(highs) if highs else None,
-            "loss_bins": dict(sorted(bins.items(), key=lambda kv: int(kv[0]))), "bytes": size}
+            "bytes": size}
 
 
 def write_manifest(folder, identity: dict, done: dict[int, dict], n_planned: int, location: dict) -> dict:

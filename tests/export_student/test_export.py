@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from conftest import (
+from export_helpers import (
     exported_rows,
     make_export,
     manifest,

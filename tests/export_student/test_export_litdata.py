@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import exported_rows, make_export, manifest
+from export_helpers import exported_rows, make_export, manifest
 from pipeline.export_student.job import run_export
 
 litdata = pytest.importorskip("litdata")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_export
+from export_helpers import make_export
 from pipeline.export_student.job import run_export
 from pipeline.tokenization import TokenizerError
 from storage_schemas.reader import BadShardError

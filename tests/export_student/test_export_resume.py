@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import pipeline.export_student.job as export_job
-from conftest import exported_rows, make_export, manifest
+from export_helpers import exported_rows, make_export, manifest
 from pipeline.export_student.job import run_export
 from pipeline.shard_folder import DatasetMismatchError
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import exported_rows, make_export, manifest
+from export_helpers import exported_rows, make_export, manifest
 from pipeline.export_student.job import run_export
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "export.md"

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import make_export, manifest
+from export_helpers import make_export, manifest
 from pipeline.export_student.job import run_export
 from pipeline.shard_folder import DatasetMismatchError, parts_of
 from storage_schemas import filesystem as sfs

@@ -74,3 +74,9 @@ def test_logits_against_a_float64_brute_force():
     loss.backward()
     touched = {(b, t) for b in range(batch) for t in range(length) if logits.grad[b, t].abs().sum() > 0}
     assert touched == trained
+
+
+def test_the_result_reads_as_the_loss_stats_pair_callers_used():
+    result = guided_loss(torch.tensor([L_S]), torch.zeros(1, 14, dtype=torch.long), torch.tensor([L_T]))
+    loss, stats = result
+    assert result[0] is loss and result[1] is stats and len(result) == 2 and result[-1] is stats
