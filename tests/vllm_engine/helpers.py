@@ -75,3 +75,11 @@ def _own_tree() -> set[int]:
                     tree.add(int(pid))
                     grew = True
     return tree
+
+
+def remove_named_log(message: str) -> None:
+    """The engine's log a start-up failure keeps and names (``...; the engine's log: <path>)``): it
+    exists, and is removed."""
+    path = message.rsplit("the engine's log: ", 1)[1].rstrip(")")
+    assert os.path.isfile(path), path
+    os.unlink(path)

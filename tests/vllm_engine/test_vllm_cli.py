@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm_engine.helpers import remove_named_log
+
 vllm = pytest.importorskip("vllm", reason="vLLM lives in its own environment: make test-vllm")
 
 pytestmark = pytest.mark.vllm
@@ -85,4 +87,5 @@ def test_an_engine_that_cannot_start_ends_the_stage_in_one_line_without_retries(
     assert "set scorer.kv_cache_memory_bytes (now 4096)" in last
     assert "Traceback" not in run.stderr and "trying again" not in run.stderr and "starting another" not in run.stderr
     assert run.stderr.count("could not start") == 1, "one start, no retry"
+    remove_named_log(last)
     print(f"failed in {seconds:.0f} s")

@@ -19,7 +19,7 @@ from pipeline.score_teacher.corpus import CorpusConfig, Document  # noqa: E402
 from pipeline.score_teacher.job import ScoreJobConfig, TeacherConfig, prepare  # noqa: E402
 from pipeline.score_teacher.teacher import WindowSettings, score_documents  # noqa: E402
 from pipeline.tokenization import bos_token_id, load_tokenizer  # noqa: E402
-from tests.vllm_engine.helpers import load_model, reference_document, vllm_processes  # noqa: E402
+from tests.vllm_engine.helpers import load_model, reference_document, remove_named_log, vllm_processes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -62,8 +62,9 @@ def test_a_teacher_whose_positions_leave_no_room_for_the_output_token(vllm_teach
     assert prepare(job(None)).scorer.window == 63
     with pytest.raises(ConfigError, match=r"teacher.window: 64 \+ 1 .* set teacher.window <= 63"):
         prepare(job(64))
-    with pytest.raises(EngineStartError, match=r"max_model_len \(65\) is greater than the derived max_model_len"):
+    with pytest.raises(EngineStartError, match=r"max_model_len \(65\) is greater than the derived max_model_len") as caught:
         VLLMScorer(ScorerConfig(backend="vllm", model=str(vllm_teacher), window=64, dtype="float32"))
+    remove_named_log(str(caught.value))
 
 
 def test_an_architecture_vllm_does_not_know_is_one_line_naming_the_other_backend(vllm_teacher, tmp_path):
@@ -80,6 +81,7 @@ def test_an_architecture_vllm_does_not_know_is_one_line_naming_the_other_backend
     assert isinstance(caught.value, UserError) and "\n" not in message
     assert "Model architectures ['FooBarForCausalLM'] are not supported" in message
     assert "use scorer.backend=transformers" in message and "Supported architectures" not in message
+    remove_named_log(message)
 
 
 def test_a_teacher_the_cpu_engine_cannot_run_fails_at_start_not_mid_job(micro_teacher):
@@ -96,6 +98,7 @@ def test_a_teacher_the_cpu_engine_cannot_run_fails_at_start_not_mid_job(micro_te
     assert "Unsupported CPU attention configuration: head_dim=16" in message
     assert "use scorer.backend=transformers" in message
     assert vllm_processes() == []
+    remove_named_log(message)
 
 
 def _on_cpu() -> bool:

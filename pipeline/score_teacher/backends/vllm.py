@@ -30,6 +30,7 @@ logs, and the setting that fixes it. It is a user error, never retried.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.metadata
 import importlib.util
 import json
@@ -237,7 +238,7 @@ def engine_log_config(path: str, level: str) -> dict:
         "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "console", "level": level,
                                  "stream": "ext://sys.stderr"},
                      "file": {"class": "logging.FileHandler", "formatter": "plain", "level": "WARNING",
-                              "filename": path, "mode": "a", "delay": True}},
+                              "filename": path, "mode": "a", "delay": False}},
         "loggers": {"vllm": {"handlers": ["console", "file"], "level": "DEBUG" if level == "DEBUG" else "INFO",
                              "propagate": False},
                     "torch": {"level": level}},  # torch's own notes in the engine's processes ("Triton not available")
@@ -332,6 +333,18 @@ def _import_vllm():
     return vllm
 
 
+def _remove_logs_of_gone_processes() -> None:
+    """Engine logs and configs left by processes killed while their engine started (a job stopping
+    its other actors); the logs of failed starts, named in their errors, are kept."""
+    import psutil  # vLLM's own dependency: only where this backend runs
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "vllm-engine-[0-9]*-*")):
+        pid = os.path.basename(path).split("-")[2]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
 def _engine_processes() -> list:
     """This process's descendants that are vLLM's engine processes (VLLM::EngineCore, VLLM::Worker)."""
     import psutil  # vLLM's own dependency: only where this backend runs
@@ -364,9 +377,14 @@ class VLLMScorer:
         self.processes: list = []  # the engine's processes (psutil), stopped by close()
         for name in ("vllm.renderers.base", "vllm.renderers"):
             logging.getLogger(name).addFilter(QuietHarmless())
-        fd, self.log_path = tempfile.mkstemp(prefix="vllm-engine-", suffix=".log")  # removed by close()
+        _remove_logs_of_gone_processes()
+        fd, self.log_path = tempfile.mkstemp(prefix=f"vllm-engine-{os.getpid()}-", suffix=".log")
         os.close(fd)
+        self._log = open(self.log_path, errors="replace")  # read through this once the file is unlinked
         self._start(LLM)
+        # every process that writes the log holds it open by now: its name goes, so that an actor killed
+        # without close() leaves no file behind; a failed start keeps it, named in the error
+        os.unlink(self.log_path)
 
     def _start(self, llm_cls) -> None:
         config_path = self.log_path + ".json"
@@ -388,7 +406,9 @@ class VLLMScorer:
         except Exception as exc:
             cause = root_cause(exc, self.engine_log())
             self.close(keep_log=True)
-            raise start_failure(self.cfg, cause, self.on_cpu, self.log_path) from exc
+            kept = self.log_path.replace("vllm-engine-", "vllm-engine-failed-", 1)
+            os.replace(self.log_path, kept)
+            raise start_failure(self.cfg, cause, self.on_cpu, kept) from exc
         finally:
             os.unlink(config_path)
             for key, value in saved.items():
@@ -399,11 +419,8 @@ class VLLMScorer:
 
     def engine_log(self) -> str:
         """The warnings and errors vLLM's processes logged so far (tracebacks included)."""
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
+        self._log.seek(0)
+        return self._log.read()
 
     def describe(self) -> dict:
         return {"backend": "vllm", "dtype": self.cfg.dtype, "device": self.engine["device"], "engine": self.engine}
@@ -425,6 +442,7 @@ class VLLMScorer:
         psutil.wait_procs(alive, timeout=5)
         if not keep_log and os.path.exists(self.log_path):
             os.unlink(self.log_path)
+        self._log.close()
 
     def _generate(self, prompts_ids: list[list[int]]):
         """vLLM's outputs for token-id prompts; an engine that died says why, in one line."""
