@@ -81,7 +81,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
 setup-vllm: $(VLLM_VENV)/.installed  ## .venv-vllm: vLLM (its CPU build without CUDA) and the project (~4 min, 3.3 GB)
 
 test-vllm: setup-vllm  ## the vLLM backend's tests against the real engine, in .venv-vllm (~8 min on 2 cores)
-	$(VLLM_PY) -m pytest -q -m vllm tests/vllm_engine
+	$(VLLM_PY) -m pytest -q -m vllm tests/vllm_engine tests/score_teacher/test_server_backend.py
 
 # Break the core on purpose (mutation/mutants.toml) and check the default suite notices:
 # mutation-results/latest.md. ARGS="only=[W1,T1]" for some mutants, ARGS="check=true" to check the table.

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS, ROWS, STRIDE = 40, 10, 384  # 4 shards of the embedded sample; windows of 511 (512 positions, one for the output token)
 # Served against in-process engine, float32, these 40 documents: measured max |difference| 0 (the
 # same kernels compute the same float32 values); the tolerance is the in-process engine's own
-# against transformers (tests/vllm/test_vllm_cli.py), for another CPU's kernels and batching.
+# against transformers (tests/vllm_engine/test_vllm_cli.py), for another CPU's kernels and batching.
 MAX_ABS = 1e-4
 KEY = "test-served-teacher-key-4e1f0c"
 
