@@ -84,10 +84,10 @@ class Inputs:
         if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
             return folder
         from benchmarks.inputs import sample_corpus
-        from pipeline.score_teacher.corpus import CorpusConfig
         from pipeline.embedded import ensure_tiny_teacher
-        from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
         from pipeline.score_teacher.backends.base import ScorerConfig
+        from pipeline.score_teacher.corpus import CorpusConfig
+        from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
 
         n = self.cfg.fallback_docs
         log.warning("%s is not a complete scored dataset; scoring %d sample documents with the tiny teacher", folder, n)

@@ -65,8 +65,8 @@ class AlignmentBenchConfig:
 
 
 def run(cfg: AlignmentBenchConfig, student_tokenizer, teacher_tokenizer) -> dict:
-    from pipeline.alignment import align_document, align_documents
     from benchmarks.inputs import math_texts
+    from pipeline.alignment import align_document, align_documents
     from pipeline.tokenization import encode_batch
 
     texts = math_texts(cfg.min_bytes, cfg.seed)
@@ -214,8 +214,8 @@ def _cpu(fn) -> float:
 
 
 def _dtw(cfg, student_tok, teacher_tok, student, teacher, losses, align_all_cpu: float) -> dict:
-    from pipeline.alignment import align_document
     from benchmarks.dtw import dtw_align, dtw_cells
+    from pipeline.alignment import align_document
 
     n_s = np.asarray([len(e) for e in student])
     median = float(np.median(n_s))

@@ -330,11 +330,11 @@ def bench_data(s: Settings, work: Path, teacher_tokenizer: str | None, student_t
     from benchmarks.inputs import math_texts
     from pipeline.embedded.tiny_student import train_student_tokenizer
     from pipeline.embedded.tiny_teacher import train_tokenizer
-    from storage_schemas.reader import open_scored_dataset
+    from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
     from pipeline.score_teacher.writer import write_manifest, write_shard
     from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
-    from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
     from pipeline.tokenization import encode_batch, load_tokenizer
+    from storage_schemas.reader import open_scored_dataset
 
     texts = math_texts(s.data_text_bytes, kinds=("clean", "noise"))
     t_tok = load_tokenizer(teacher_tokenizer) if teacher_tokenizer else train_tokenizer(texts, s.teacher_vocab)

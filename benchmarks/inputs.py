@@ -18,13 +18,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.results import figure
 from pipeline.config import check_at_least
 from pipeline.embedded.model_shape import ModelShape
 
 log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[1]
 
 REAL_TOKENIZERS = {
     "llama-spm": "ggml-vocab-llama-spm.gguf",  # TinyLlama / Llama-2: the student
@@ -176,3 +179,24 @@ def random_causal_lm(out_dir: str | os.PathLike, shape: RandomModelShape, tokeni
 
 def model_parameters(folder: str | os.PathLike) -> dict:
     return json.loads((Path(folder) / "_BENCH_MODEL.json").read_text())["parameters"]
+
+
+def run_in_vllm_env(module: str, cfg, work: Path, teacher, corpus: list[str], measures: dict, timeout_s: float,
+                    **task) -> dict | None:
+    """Run ``python -m <module> <task file>`` with ``cfg.python`` (vLLM's environment) and return the
+    result it writes; with no such interpreter, a result whose figures say why the case was skipped.
+    ``task`` adds entries to the task file (``cfg``, ``teacher``, ``corpus`` and ``out`` are always in it)."""
+    python = Path(cfg.python) if Path(cfg.python).is_absolute() else REPO / cfg.python
+    if not python.exists():
+        note = f"skipped: {cfg.python} not found (make setup-vllm builds vLLM's environment)"
+        return {"skipped": note, "figures": [figure(key, measure, None, note=note) for key, measure in measures.values()]}
+    work.mkdir(parents=True, exist_ok=True)
+    task_file, out = work / "task.json", work / "result.json"
+    task_file.write_text(json.dumps({"cfg": asdict(cfg), "teacher": str(teacher), "corpus": list(map(str, corpus)),
+                                     "out": str(out), **task}))
+    out.unlink(missing_ok=True)
+    child = subprocess.run([str(python), "-m", module, str(task_file)], cwd=REPO, capture_output=True, text=True,
+                           timeout=timeout_s)
+    if child.returncode != 0 or not out.exists():
+        raise RuntimeError(f"{module}'s child exited {child.returncode}: {child.stderr[-3000:]}")
+    return json.loads(out.read_text())

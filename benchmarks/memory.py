@@ -172,9 +172,9 @@ def measure_subprocess(workload: str, args: dict, interval: float = 0.05, timeou
 
 
 def _stage1(a: dict) -> dict:
+    from pipeline.score_teacher.backends.base import ScorerConfig
     from pipeline.score_teacher.corpus import CorpusConfig
     from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
-    from pipeline.score_teacher.backends.base import ScorerConfig
 
     shutil.rmtree(a["scored"], ignore_errors=True)
     summary = run_score_job(ScoreJobConfig(
@@ -188,9 +188,9 @@ def _stage1(a: dict) -> dict:
 
 
 def _student_data(a: dict) -> dict:
-    from storage_schemas.reader import open_scored_dataset
     from pipeline.student_side import AlignmentConfig, PackingConfig, build_student_data
     from pipeline.tokenization import load_tokenizer
+    from storage_schemas.reader import open_scored_dataset
 
     shutil.rmtree(a["cache_dir"], ignore_errors=True)
     tokenizer = load_tokenizer(a["tokenizer"])
@@ -221,8 +221,8 @@ def _train(a: dict) -> dict:
 
 
 def _inspect(a: dict) -> dict:
-    from storage_schemas.reader import ScoredDataset
     from pipeline.inspection.summary import summarize
+    from storage_schemas.reader import ScoredDataset
 
     s = summarize(ScoredDataset.open(a["scored"]))
     return {"documents": s.documents, "tokens": s.tokens}

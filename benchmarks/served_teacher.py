@@ -31,9 +31,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.inputs import run_in_vllm_env
 from benchmarks.results import figure
 from pipeline.config import check_at_least
 
@@ -69,22 +70,10 @@ class ServedTeacherBenchConfig:
 def run(cfg: ServedTeacherBenchConfig, work_dir: str | os.PathLike, teacher: str | os.PathLike,
         corpus: list[str]) -> dict:
     """The child of ``cfg.python`` on ``teacher`` and the first ``n_docs`` of ``corpus``."""
-    python = Path(cfg.python) if Path(cfg.python).is_absolute() else REPO / cfg.python
-    if not python.exists():
-        note = f"skipped: {cfg.python} not found (make setup-vllm builds vLLM's environment)"
-        return {"skipped": note, "figures": [figure(key, measure, None, note=note) for key, measure in MEASURES.values()]}
     work = Path(work_dir) / "served-teacher"
-    work.mkdir(parents=True, exist_ok=True)
-    task, out = work / "task.json", work / "result.json"
-    task.write_text(json.dumps({"cfg": asdict(cfg), "teacher": str(teacher), "corpus": list(map(str, corpus)),
-                                "out": str(out), "log": str(work / "server.log")}))
-    out.unlink(missing_ok=True)
-    child = subprocess.run([str(python), "-m", "benchmarks.served_teacher", str(task)], cwd=REPO, check=False,
-                           capture_output=True, text=True, timeout=3000)
-    if child.returncode != 0 or not out.exists():
-        raise RuntimeError(f"the served-teacher bench child exited {child.returncode}: {child.stderr[-3000:]}")
-    result = json.loads(out.read_text())
-    return {**result, "figures": figures(result)}
+    result = run_in_vllm_env("benchmarks.served_teacher", cfg, work, teacher, corpus, MEASURES, timeout_s=3000,
+                             log=str(work / "server.log"))
+    return result if "skipped" in result else {**result, "figures": figures(result)}
 
 
 def figures(r: dict) -> list[dict]:

@@ -205,12 +205,11 @@ def _shape_slug(shape: RandomModelShape) -> str:
 
 
 def _run_job(cfg: Stage1BenchConfig, model_dir: Path, corpus: list[Path], out_dir: Path) -> dict:
+    from benchmarks.measure import TreeCpuSampler
+    from pipeline.score_teacher.backends.base import ScorerConfig
     from pipeline.score_teacher.corpus import CorpusConfig
     from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
-    from pipeline.score_teacher.backends.base import ScorerConfig
     from pipeline.score_teacher.writer import finished_shards
-
-    from benchmarks.measure import TreeCpuSampler
 
     shutil.rmtree(out_dir, ignore_errors=True)
     with TreeCpuSampler(os.getpid(), interval=0.25) as cpu:
@@ -256,13 +255,18 @@ class _BareForward:
     """The teacher's forward passes over exactly the batches the job's actor forms, per shard."""
 
     def __init__(self, cfg: Stage1BenchConfig, model_dir: Path, corpus: list[Path]):
-        from pipeline.score_teacher.corpus import CorpusConfig, plan_shards, read_shard, resolve_sources
         from pipeline.score_teacher.backends.base import ScorerConfig
-        from pipeline.score_teacher.backends.hf import batches_by_tokens, head_chunk_positions, load_causal_lm, resolve_device
+        from pipeline.score_teacher.backends.hf import (
+            batches_by_tokens,
+            head_chunk_positions,
+            load_causal_lm,
+            resolve_device,
+        )
+        from pipeline.score_teacher.corpus import CorpusConfig, plan_shards, read_shard, resolve_sources
         from pipeline.score_teacher.teacher import classify
-        from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
         from pipeline.tokenization import bos_token_id, encode_batch, load_tokenizer
         from pipeline.windows import plan_windows
+        from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 
         self.cfg = cfg
         corpus_cfg = CorpusConfig(name="bench", files=[str(f) for f in corpus], rows_per_shard=cfg.rows_per_shard)

@@ -127,8 +127,8 @@ def _columns_note(s: dict, tokens: int, r: dict) -> str:
 
 def _documents(table) -> list:
     """The rows of a shard as :class:`pipeline.score_teacher.teacher.ScoredDocument` (NumPy slices, no copies)."""
-    from storage_schemas.reader import list_column_values
     from pipeline.score_teacher.teacher import ScoredDocument
+    from storage_schemas.reader import list_column_values
 
     table = table.combine_chunks()
     views = {c: list_column_values(table, c) for c in ("token_ids", "starts", "ends", "losses")}
@@ -173,8 +173,8 @@ def _record(name: str, kind: str, paths: list[Path], tokens: int, seconds: float
 
 def _write_current(name, storage, shards, manifest, out_root: Path, tokens: int) -> dict:
     from pipeline.score_teacher.job import code_version
-    from pipeline.score_teacher.writer import write_shard
     from pipeline.score_teacher.teacher import ShardResult
+    from pipeline.score_teacher.writer import write_shard
 
     folder = out_root / name.replace(" ", "_").replace("+", "")
     folder.mkdir(parents=True)

@@ -66,9 +66,9 @@ def read_packed(dataset, batch_size: int) -> int:
 
 def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike) -> dict:
     """``dataset``: a complete stage-1 output folder."""
-    from storage_schemas.reader import open_scored_dataset, read_row_group
     from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
     from pipeline.tokenization import encode_batch
+    from storage_schemas.reader import open_scored_dataset, read_row_group
 
     scored = open_scored_dataset([str(dataset)])
     scored = replace(scored, shards=scored.shards[: cfg.max_shards])

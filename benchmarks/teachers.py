@@ -77,8 +77,8 @@ def write_teacher(source, shards, folder: Path, name: str, reverse: bool) -> Pat
 
 def run(cfg: TeachersBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike) -> dict:
     """``dataset``: a complete stage-1 output folder, whose first ``max_shards`` shards become the two teachers."""
-    from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
     from pipeline.several_teachers import open_teachers
+    from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
     from storage_schemas.reader import open_scored_dataset
 
     source = open_scored_dataset([str(dataset)])

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.inputs import run_in_vllm_env
 from benchmarks.results import figure
 from pipeline.config import check_at_least
 
@@ -62,22 +62,9 @@ MEASURES = {
 def run(cfg: VLLMBackendBenchConfig, work_dir: str | os.PathLike, teacher: str | os.PathLike,
         corpus: list[str]) -> dict:
     """Both backends in a child of ``cfg.python`` on ``teacher`` and the first ``n_docs`` of ``corpus``."""
-    python = Path(cfg.python) if Path(cfg.python).is_absolute() else REPO / cfg.python
-    if not python.exists():
-        note = f"skipped: {cfg.python} not found (make setup-vllm builds vLLM's environment)"
-        return {"skipped": note, "figures": [figure(key, measure, None, note=note) for key, measure in MEASURES.values()]}
-    work = Path(work_dir) / "vllm-backend"
-    work.mkdir(parents=True, exist_ok=True)
-    task, out = work / "task.json", work / "result.json"
-    task.write_text(json.dumps({"cfg": asdict(cfg), "teacher": str(teacher), "corpus": list(map(str, corpus)),
-                                "out": str(out)}))
-    out.unlink(missing_ok=True)
-    child = subprocess.run([str(python), "-m", "benchmarks.vllm_backend", str(task)], cwd=REPO, capture_output=True,
-                           text=True, timeout=1800)
-    if child.returncode != 0 or not out.exists():
-        raise RuntimeError(f"the vLLM bench child exited {child.returncode}: {child.stderr[-3000:]}")
-    result = json.loads(out.read_text())
-    return {**result, "figures": figures(result)}
+    result = run_in_vllm_env("benchmarks.vllm_backend", cfg, Path(work_dir) / "vllm-backend", teacher, corpus,
+                             MEASURES, timeout_s=1800)
+    return result if "skipped" in result else {**result, "figures": figures(result)}
 
 
 def figures(r: dict) -> list[dict]:
