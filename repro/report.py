@@ -595,9 +595,11 @@ def power_markdown(setup: dict, arms: dict[str, ArmSummary]) -> str:
         else:
             why = (f"**only {n} fit in the study's time (power.max_runs) and ran**" if s["fits"] == n
                    else f"the set has {seeds} (fewer than the rule asks: set on the command line)")
-            lines += ["", f"The rule asks for {need} seeds; {why}: with {seeds} and the largest pilot sd, the difference "
-                          f"found with power {pw:.0%} is about {s['detectable_at_worst_sd']:.4f} bits/byte rather than "
-                          f"{s['delta']}; smaller true differences mostly read as inconclusive."]
+            found = s["detectable_at_worst_sd"]
+            lines += ["", f"The rule asks for {need} seeds; {why}: " + (
+                "with fewer than two seeds there is no interval, so the set decides nothing." if found is None else
+                f"with {seeds} and the largest pilot sd, the difference found with power {pw:.0%} is about "
+                f"{found:.4f} bits/byte rather than {s['delta']}; smaller true differences mostly read as inconclusive.")]
         lines.append("")
     if power.get("settings_note"):
         lines.append(power["settings_note"])
@@ -769,8 +771,10 @@ def write_report(results: list[dict], order: list[str], setup: dict, out_dir: Pa
 def write_summary(claims: list[dict], setup: dict, out_dir: Path) -> Path:
     """``summary.md``: what the run was, and :func:`summary_markdown`'s table."""
     partial = setup.get("runs_planned", setup["n_runs"]) > setup["n_runs"]
+    during = setup.get("load_average_during")
+    load = f", load average {during['mean_1min']} on average" if during else ""
     runs = (f"partial: {setup['n_runs']} of {setup['runs_planned']} planned runs" if partial
-            else f"{setup['n_runs']} runs, {setup['seconds'] / 60:.1f} min")
+            else f"{setup['n_runs']} runs, {setup['seconds'] / 60:.1f} min{load}")
     path = out_dir / "summary.md"
     path.write_text("\n".join([
         f"# Toy-scale reproduction: the paper's findings ({setup['finished'][:10]})", "",

@@ -425,7 +425,8 @@ def test_make_repro_from_nothing_twice_gives_identical_figures(tmp_path):
 
 def test_bad_settings_end_with_one_line_each_and_exit_2(tmp_path):
     args = [sys.executable, "-m", "repro", "arms.guided.teacher=nobody", "seed_sets.main=[]",
-            "seed_sets.sweep=[]", "seed_sets.bbpe=[]", "arms.cpt.seeds=other", "arms.guided_noise0.corpus=dirty", "student_corpora.noise25=1.5",
+            "seed_sets.sweep=[]", "seed_sets.ablation=[]", "seed_sets.bbpe=[]",
+            "arms.cpt.seeds=other", "arms.guided_noise0.corpus=dirty", "student_corpora.noise25=1.5",
             f"artifacts_dir={tmp_path / 'a'}", f"work_dir={tmp_path / 'w'}", f"hydra.run.dir={tmp_path / 'h'}"]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]

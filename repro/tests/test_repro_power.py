@@ -43,8 +43,21 @@ def test_paired_sd_by_hand():
     assert paired_sd(rows[:1] + rows[3:4], "g", "c") is None  # one shared seed: no sd
 
 
+def _study_before_the_pilot():
+    """The study as it stood before its pilot ran: the ablation and byte-level sets' sds unknown (null)."""
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        values = OmegaConf.to_container(compose("repro"), resolve=True)
+    for name in ("ablation", "bbpe"):
+        sized = values["power"]["sized"][name]
+        sized["pilot_sd"] = dict.fromkeys(sized["pilot_sd"])
+        sized.pop("fits", None)
+    return study_config(values)
+
+
 def test_pilot_record_sizes_the_pending_sets_from_the_pilot_sds():
-    study = _study()
+    study = _study_before_the_pilot()
     j = {0: 0.0, 1: 0.01, 2: -0.005}
     rows = []
     for seed, jitter in j.items():  # guided - X: sd 0.01 * |pattern|; bbpe: sd 0.004

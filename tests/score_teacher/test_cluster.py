@@ -104,8 +104,8 @@ def test_actor_count_is_summed_node_by_node_over_gpus_cpus_and_resources():
 # A real cluster
 
 
-def test_three_node_cluster_spreads_shards_records_nodes_and_equals_one_node_run(micro_teacher, micro_corpus,
-                                                                                micro_scored, tmp_path):
+def test_three_node_cluster_puts_an_actor_on_each_node_records_nodes_and_equals_one_node_run(
+        micro_teacher, micro_corpus, micro_scored, tmp_path):
     out = tmp_path / "ds"
     result = _drive(micro_teacher, micro_corpus, out, workers=2)
     assert result["complete"] and len(result["nodes"]) == 3
@@ -116,7 +116,9 @@ def test_three_node_cluster_spreads_shards_records_nodes_and_equals_one_node_run
     manifest = read_manifest(out)
     scored_by = {e["index"]: e["scored_by"] for e in manifest["shards"]}
     assert sorted(scored_by) == [0, 1, 2, 3]
-    assert {s["node_id"] for s in scored_by.values()} == set(result["nodes"]), "every node scored a shard"
+    # Shards go to whichever actor is free first, so on a loaded machine an actor that loads late may
+    # score none of the 4: each shard names a node whose actor ran, not necessarily every node.
+    assert {s["node_id"] for s in scored_by.values()} <= set(result["nodes"]), "a shard names a node of the cluster"
     assert all(s["node_ip"] and s["hostname"] and s["attempt"] == 1 for s in scored_by.values())
     assert_same_dataset(out, micro_scored)
 

@@ -20,6 +20,7 @@ import torch
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.writer import StorageConfig
 from storage_schemas import complete_shard_files, read_manifest
 
 WINDOW, STRIDE = 24, 7  # a stride other than window // 2, so that a wrong stride shows
@@ -81,9 +82,12 @@ def corpus(micro_corpus, tmp_path_factory):
     return path, rows
 
 
-@pytest.mark.parametrize("teacher_tokenizer,has_bos", [("llama-spm", True), ("qwen2", False)])
+@pytest.mark.parametrize("teacher_tokenizer,has_bos,precision",
+                         [("llama-spm", True, "float32"), ("qwen2", False, "float32"), ("qwen2", False, "bfloat16")])
 def test_stored_losses_equal_an_independent_log_softmax_gather(real_tokenizer, corpus, ray_local, tmp_path,
-                                                              teacher_tokenizer, has_bos):
+                                                              teacher_tokenizer, has_bos, precision):
+    """float32 storage keeps the computed loss (1e-4); bfloat16, the default, keeps it to half a
+    bfloat16 step (8 significant bits: at most 2**-8 of the value) and stores only bfloat16 values."""
     tokenizer = real_tokenizer(teacher_tokenizer)
     model = build_random_teacher(tokenizer, tmp_path / "teacher")
     corpus_file, texts = corpus
@@ -93,6 +97,7 @@ def test_stored_losses_equal_an_independent_log_softmax_gather(real_tokenizer, c
         corpus=CorpusConfig(name="pages", files=[str(corpus_file)], rows_per_shard=2),
         scorer=ScorerConfig(max_batch_tokens=256),
         output_dir=str(out), pool=PoolConfig(num_actors=1, num_cpus=1), progress=False,
+        storage=StorageConfig(loss_precision=precision),
     ))
     assert summary.complete and summary.documents == len(texts)
     bos_id = read_manifest(out)["identity"]["teacher"]["bos_id"]
@@ -110,7 +115,12 @@ def test_stored_losses_equal_an_independent_log_softmax_gather(real_tokenizer, c
             assert math.isfinite(stored[0])
         else:
             assert math.isnan(stored[0]), "no BOS: nothing predicts the first token"
-        np.testing.assert_allclose(stored, want, rtol=1e-4, atol=1e-4, equal_nan=True, err_msg=row["text"][:40])
+        if precision == "float32":
+            np.testing.assert_allclose(stored, want, rtol=1e-4, atol=1e-4, equal_nan=True, err_msg=row["text"][:40])
+        else:
+            np.testing.assert_allclose(stored, want, rtol=2.0**-8 + 1e-4, atol=1e-4, equal_nan=True)
+            as_bf16 = torch.tensor(stored, dtype=torch.float32).to(torch.bfloat16).to(torch.float64).numpy()
+            np.testing.assert_array_equal(stored, as_bf16)  # nothing beyond bfloat16's 8 bits was kept
 
     long_ids = rows[0]["token_ids"]
     assert len(long_ids) + has_bos > 6 * WINDOW, "the long page needs many windows"
