@@ -200,3 +200,28 @@ def run_in_vllm_env(module: str, cfg, work: Path, teacher, corpus: list[str], me
     if child.returncode != 0 or not out.exists():
         raise RuntimeError(f"{module}'s child exited {child.returncode}: {child.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def corpus_windows(task: dict) -> tuple[list[str], list]:
+    """The first ``task["cfg"]["n_docs"]`` non-blank documents of ``task["corpus"]`` (Parquet files)
+    and their windows, tokenized by ``task["teacher"]``'s tokenizer and planned as stage 1 plans them
+    (``cfg["window"]``, ``cfg["stride"]``; the tiny teacher adds no BOS). Used by the cases that run
+    in vLLM's environment, so the imports stay inside."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from pipeline.tokenization import encode_batch, load_tokenizer
+    from pipeline.windows import plan_windows
+
+    cfg = task["cfg"]
+    texts: list[str] = []
+    for path in task["corpus"]:
+        texts += [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and t.strip()]
+        if len(texts) >= cfg["n_docs"]:
+            break
+    texts = texts[: cfg["n_docs"]]
+    windows = []
+    for enc in encode_batch(load_tokenizer(task["teacher"]), texts):
+        z = np.asarray(enc.ids, dtype=np.int64)
+        windows += [z[w.start:w.stop] for w in plan_windows(len(z), cfg["window"], cfg["stride"])]
+    return texts, windows

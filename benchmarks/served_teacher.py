@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.inputs import run_in_vllm_env
+from benchmarks.inputs import corpus_windows, run_in_vllm_env
 from benchmarks.results import figure
 from pipeline.config import check_at_least
 
@@ -97,28 +97,6 @@ def figures(r: dict) -> list[dict]:
 # The child (runs in vLLM's environment)
 
 
-def _windows(task: dict):
-    """The first ``n_docs`` non-blank documents' windows, tokenized and planned as stage 1 does it
-    (the tiny teacher adds no BOS)."""
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from pipeline.tokenization import encode_batch, load_tokenizer
-    from pipeline.windows import plan_windows
-
-    cfg = task["cfg"]
-    texts: list[str] = []
-    for path in task["corpus"]:
-        texts += [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and t.strip()]
-        if len(texts) >= cfg["n_docs"]:
-            break
-    texts = texts[: cfg["n_docs"]]
-    windows = []
-    for enc in encode_batch(load_tokenizer(task["teacher"]), texts):
-        z = np.asarray(enc.ids, dtype=np.int64)
-        windows += [z[w.start:w.stop] for w in plan_windows(len(z), cfg["window"], cfg["stride"])]
-    return texts, windows
-
 
 def _start_server(teacher: str, window: int, log: str) -> tuple[subprocess.Popen, str, float]:
     """vLLM's OpenAI-compatible server of ``teacher`` in its own process group; waits for /health."""
@@ -170,7 +148,7 @@ def _child(task_path: str) -> None:
 
     task = json.loads(Path(task_path).read_text())
     cfg = task["cfg"]
-    texts, windows = _windows(task)
+    texts, windows = corpus_windows(task)
     tokens = int(sum(len(w) for w in windows))
     process, url, server_start = _start_server(task["teacher"], cfg["window"], task["log"])
     try:

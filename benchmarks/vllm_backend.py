@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.inputs import run_in_vllm_env
+from benchmarks.inputs import corpus_windows, run_in_vllm_env
 from benchmarks.results import figure
 from pipeline.config import check_at_least
 
@@ -96,27 +96,6 @@ def breakeven(hf: dict, vl: dict) -> float:
 # The child (runs in vLLM's environment)
 
 
-def _windows(task: dict):
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from pipeline.tokenization import encode_batch, load_tokenizer
-    from pipeline.windows import plan_windows
-
-    cfg = task["cfg"]
-    texts: list[str] = []
-    for path in task["corpus"]:
-        texts += [t for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t and t.strip()]
-        if len(texts) >= cfg["n_docs"]:
-            break
-    texts = texts[: cfg["n_docs"]]
-    tokenizer = load_tokenizer(task["teacher"])
-    windows = []
-    for enc in encode_batch(tokenizer, texts):
-        z = np.asarray(enc.ids, dtype=np.int64)
-        windows += [z[w.start:w.stop] for w in plan_windows(len(z), cfg["window"], cfg["stride"])]
-    return texts, windows
-
 
 def _child(task_path: str) -> None:
     import numpy as np
@@ -130,7 +109,7 @@ def _child(task_path: str) -> None:
     task = json.loads(Path(task_path).read_text())
     cfg = task["cfg"]
     torch.set_num_threads(cfg["threads"])
-    texts, windows = _windows(task)
+    texts, windows = corpus_windows(task)
     tokens = int(sum(len(w) for w in windows))
     me = psutil.Process()
     mib = 1 << 20
