@@ -128,7 +128,7 @@ def main(cfg: DictConfig) -> None:
 
     quiet_libraries()
     design = study_config(cfg)
-    study = design.as_pilot() if design.pilot else design
+    study = design.as_pilot() if design.pilot else design.as_part() if design.part else design
     load_at_start = [round(x, 2) for x in os.getloadavg()]  # the machine may be shared: say how busy it was
     load = LoadSampler()
     t0 = time.perf_counter()

@@ -135,12 +135,14 @@ class ReproConfig:
     student_corpora: dict[str, float]  # variants of the student corpus by noise share (besides MAIN_CORPUS)
     train_overrides: list[str]  # stage-2 settings shared by every arm
     arms: dict[str, ArmConfig]  # by name (the report finds arms by their names: repro/report.py)
+    parts: dict[str, dict[str, list[int]]]  # named parts a user can run alone: the seed sets each keeps
     artifacts_dir: str = "artifacts/repro"  # corpora, teachers, students (cached builds)
     work_dir: str = "outputs/repro"  # scored datasets and student runs (cached by recipe)
     report_dir: str = "repro-results"  # report.md, report.json, summary.md, the plots (committed)
     parallel: int = 2  # student runs at once (one CPU thread each)
     report_only: bool = False  # train nothing, report the runs already finished (marked partial)
     pilot: bool = False  # run the sized seed sets' arms on their pilot seeds only and write pilot.json (repro/power.py)
+    part: str | None = None  # run one of ``parts`` alone; its report goes to <work_dir>/parts/<part>, not report_dir
 
     def corpora(self) -> list[str]:
         return [MAIN_CORPUS, *self.student_corpora]
@@ -157,6 +159,31 @@ class ReproConfig:
         sets = {name: list(self.power.sized[name].pilot_seeds) if name in self.power.sized else []
                 for name in self.seed_sets}
         return dataclasses.replace(self, seed_sets=sets)
+
+    def as_part(self) -> "ReproConfig":
+        """One named part: its seed sets as the part gives them, every other set emptied; its report
+        in ``<work_dir>/parts/<part>`` so that the committed report (``report_dir``) stays the whole
+        study's. Its runs are cached like the whole study's, so a later ``make repro`` reuses them."""
+        keep = self.parts[self.part]
+        sets = {name: list(keep[name]) if name in keep else [] for name in self.seed_sets}
+        return dataclasses.replace(self, seed_sets=sets, report_dir=f"{self.work_dir}/parts/{self.part}")
+
+    def _part_problems(self) -> list[str]:
+        problems: list[str] = []
+        for name, keep in self.parts.items():
+            if not isinstance(keep, Mapping):
+                problems.append(f"parts.{name}: {keep!r} is not a mapping of seed set -> seeds")
+                continue
+            problems += [f"parts.{name}.{k}: not a seed set (one of {', '.join(self.seed_sets)})"
+                         for k in keep if k not in self.seed_sets]
+            problems += [f"parts.{name}.{k}: {v!r} is not a list of integers" for k, v in keep.items()
+                         if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                        for x in v)]
+        if self.part is not None:
+            check_choice(problems, "part", self.part, sorted(self.parts))
+            if self.pilot:
+                problems.append("part: a part is a piece of the study, the pilot is not; set one of part, pilot")
+        return problems
 
     def _power_problems(self) -> list[str]:
         problems: list[str] = []
@@ -190,7 +217,7 @@ class ReproConfig:
                 problems.append(f"student_corpora.{name}: noise share {share} is not in [0, 1]")
         if MAIN_CORPUS in self.student_corpora:
             problems.append(f"student_corpora.{MAIN_CORPUS}: the name of the corpus section's corpus; use another")
-        problems += self._power_problems()
+        problems += self._power_problems() + self._part_problems()
         check_choice(problems, "diagnose.teacher", self.diagnose.teacher, self.teachers)
         check_at_least(problems, "train_steps", self.train_steps, 1)
         check_at_least(problems, "parallel", self.parallel, 1)

@@ -292,7 +292,7 @@ def loss_groups(batches: list[dict[str, np.ndarray]], base_losses: list[np.ndarr
         clean, noise = b["kind"] == "clean", b["kind"] == "noise"
         groups.append({f"math, top {ratios[0]:.0%}": clean & lo["selected"],
                        f"math, top {ratios[0]:.0%}-{ratios[1]:.0%}": clean & hi["selected"] & ~lo["selected"],
-                       f"math, rest": clean & ~hi["selected"] & b["valid"], "noise": noise & b["valid"]})
+                       "math, rest": clean & ~hi["selected"] & b["valid"], "noise": noise & b["valid"]})
     return groups
 
 

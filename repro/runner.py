@@ -57,8 +57,8 @@ def cached_result(task: RunTask) -> dict | None:
 
 def train_and_evaluate(task: RunTask) -> dict:
     """One arm and seed: train (from scratch: the run folder is reset) and evaluate the final model."""
-    from repro.evaluate import completion_items, evaluate_model
     from pipeline.train_student.run import run_training
+    from repro.evaluate import completion_items, evaluate_model
     from storage_schemas import write_json_atomic
 
     hit = cached_result(task)

@@ -28,7 +28,7 @@ from repro.report import (  # noqa: F401  (detectable_difference: part of this m
     portable,
     summarize,
 )
-from repro.stats import HOLDS, LEVEL, t_quantile, verdict
+from repro.stats import HOLDS, verdict
 
 BASELINE = "guided"  # the strong teacher alone
 DEFAULT = "min"  # AlignmentConfig.combine's default when these arms were fixed

@@ -121,3 +121,20 @@ def test_the_pilot_runs_the_sized_sets_on_their_pilot_seeds_only():
     arms = set(pilot.arms_to_run())
     assert arms == {"guided", "cpt", "guided_weak_teacher", "chunk_32", "chunk_4", "unmapped_exclude",
                     "aggregate_mean", "aggregate_min", "bbpe_guided", "bbpe_cpt"}
+
+
+def test_a_part_keeps_its_seed_sets_and_reports_outside_the_committed_report():
+    study = _study("part=ablations", "work_dir=/w")
+    part = study.as_part()
+    ablation = [100, 101, 102, 103, 104, 105, 106, 107, 108]  # conf/repro.yaml's ablation set
+    assert part.seed_sets == {"main": ablation, "sweep": [], "ablation": ablation, "bbpe": []}
+    assert part.report_dir == "/w/parts/ablations" and study.report_dir == "repro-results"
+    # guided and cpt on the 9 ablation seeds (18 runs) and the 6 ablation arms (54): claims 3-5 pair with guided
+    assert sum(len(part.seed_sets[a.seeds]) for a in part.arms_to_run().values()) == 72
+    assert set(_study("part=byte_level").as_part().arms_to_run()) == {"bbpe_guided", "bbpe_cpt"}
+    with pytest.raises(ConfigError) as err:
+        _study("part=claim9", "pilot=true", "+parts.claim1.nobody=[1]")
+    assert "part: 'claim9' is not one of ablations, byte_level, claim1, sweep; did you mean claim1?" in err.value.problems
+    assert any(p.startswith("part: a part is a piece of the study, the pilot is not") for p in err.value.problems)
+    assert any(p.startswith("parts.claim1.nobody: not a seed set") for p in err.value.problems)
+

@@ -11,11 +11,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import stages.train_student  # noqa: F401  (registers the stage-2 defaults the repro composes)
-from repro.teachers_report import choose_default, detectable_difference, teacher_arms, write_teachers_report
-from repro.report import summarize
-from stages.common import ConfigError
 from repro.__main__ import tasks
 from repro.config import study_config
+from repro.report import summarize
+from repro.teachers_report import choose_default, detectable_difference, teacher_arms, write_teachers_report
+from stages.common import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCORED = {("strong", "main"): "/data/scored/strong/v1", ("weak", "main"): "/data/scored/weak/v1",
