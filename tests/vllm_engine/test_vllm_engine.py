@@ -22,6 +22,7 @@ from pipeline.score_teacher.backends.vllm import PromptLogprobError, VLLMScorer,
 from pipeline.score_teacher.corpus import Document  # noqa: E402
 from pipeline.score_teacher.teacher import WindowSettings, score_documents  # noqa: E402
 from pipeline.tokenization import load_tokenizer  # noqa: E402
+from tests.hostile_text import HOSTILE  # noqa: E402
 from tests.vllm_engine.helpers import load_model, reference_document, reference_losses  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -30,16 +31,7 @@ ATOL = 5e-5
 WINDOW = 63  # the teacher has 64 positions: one is left for the output token vLLM insists on
 HOSTILE_TEXT = {  # docs/RELIABILITY.md rows 9-21
     "special_tokens": "a <|endoftext|> b </s> c <s> d <|im_start|>",
-    "rtl": "مرحبا بالعالم: إذا كان س = ٣ فإن س² = ٩. שלום עולם x=1",
-    "combining": "e\u0301te\u0301 Z\u0335\u0321a\u0337lgo n\u0303 a\u0308",
-    "zwj_emoji": "family 👨\u200d👩\u200d👧\u200d👦 and 🏳\ufe0f\u200d🌈 and 👍🏽 done",
-    "bare_cr": "old mac\rline endings\rstill here",
-    "crlf": "windows\r\nline\r\n\r\nendings",
-    "cjk": "设 x 为实数，求 x² 的最小值。二次関数のグラフ",
-    "control_chars": "bell\x07 escape\x1b[31m form\x0cfeed vt\x0b end",
-    "bom_and_zero_width": "\ufeffstart\u200bzero\u200cwidth\u2060joiner",
-    "private_use_and_noncharacters": "pua \ue000\uf8ff non \ufffe\uffff char",
-    "astral_math": "𝔽 𝕊 𝒜 𝟘𝟙 — 𝑥² + 𝑦² = 𝑟²",
+    **HOSTILE,
     "nul": "before\x00after",
     "long_single_line": "x = 1 + 2 * 3 - 4 / 5; " * 120,
 }
