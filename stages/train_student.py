@@ -70,6 +70,8 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
         ("non-finite", f"{len(s.nonfinite_steps)} step(s) skipped: " + ", ".join(map(str, s.nonfinite_steps[:20]))
          + (" ..." if len(s.nonfinite_steps) > 20 else "") if s.nonfinite_steps else "no step skipped"),
     ]
+    if d.get("export"):
+        rows.insert(2, ("export", f"{d['export']} (its rows as exported: nothing tokenized or aligned)"))
     if d.get("mixture"):  # the realised share of each corpus over the samples trained
         rows.insert(2, ("mixture", "; ".join(
             f"{m['name']} {m['share']:.3f} of the samples (weight {m['weight']:.3f}), {m['samples']:,} samples, "

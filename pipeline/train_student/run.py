@@ -62,6 +62,7 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
     save_final,
     trainer_state,
 )
+from pipeline.train_student.from_export import ExportData, open_export_data
 from pipeline.train_student.mixture import (
     CorpusData,
     MixtureCorpus,
@@ -481,12 +482,15 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
     )
 
 
-def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData | MixtureData:
+def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData | MixtureData | ExportData:
     """Open the scored folders, run ``check(scored)`` (before the token count), count and plan; or
-    mix the corpora of ``data.mixture`` (:func:`prepare_mixture`)."""
+    mix the corpora of ``data.mixture`` (:func:`prepare_mixture`), or read ``data.export``
+    (:mod:`pipeline.train_student.from_export`)."""
     d = job.data
     if d.mixture:
         return prepare_mixture(job, tokenizer)
+    if d.export:  # the rows are read as they were exported: nothing is counted, tokenized or aligned
+        return open_export_data(d.export, tokenizer, job.student.seq_len, d, job.alignment)
     scored = open_teachers(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
     scored = hold_out(scored, d.held_out_shards)
     if check is not None:
