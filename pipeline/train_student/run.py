@@ -72,6 +72,7 @@ from pipeline.train_student.mixture import (
     recipe_of,
 )
 from pipeline.train_student.several_teachers import TeacherMetrics
+from pipeline.train_student.trackers import tracker_callbacks, tracker_problems
 from pipeline.train_student.trainer import (
     CheckpointRecordCallback,
     GuidedTrainer,
@@ -205,6 +206,7 @@ class TrainConfig:
             found.append("max_steps: set max_steps or max_tokens, not both")
         if self.min_learning_rate > self.learning_rate:
             found.append(f"min_learning_rate: {self.min_learning_rate} exceeds train.learning_rate {self.learning_rate}")
+        found += tracker_problems(self.report_to)
         return found
 
 
@@ -709,6 +711,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,
         report_to=list(t.report_to),
+        run_name=Path(job.output_dir).name,  # the trackers' name for the run (pipeline.train_student.trackers)
         disable_tqdm=not t.progress,
         seed=t.seed,
         data_seed=t.seed,
@@ -733,7 +736,7 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
         data_collator=collate_packed,
         processing_class=tokenizer,
         callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), CheckpointRecordCallback(identity, guard),
-                   *(callbacks or [])],
+                   *tracker_callbacks(job.train.report_to), *(callbacks or [])],
         selection=job.selection,
         seed=job.train.seed,
         guard=guard,
