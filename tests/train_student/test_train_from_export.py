@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
@@ -26,6 +27,7 @@ from pipeline.train_student.mixture import MixtureCorpus
 from pipeline.train_student.run import run_training
 from pipeline.student_side import StudentDataError
 from stages.train_student import print_summary
+from storage_schemas import file_sha256
 from test_multi_teacher import rewrite
 from test_train_student import CrashAt, make_job, metrics
 
@@ -140,6 +142,17 @@ def test_exports_that_cannot_be_trained_on_are_refused(tiny_student, micro_score
     with open(damaged / "shard-000001.parquet", "ab") as f:
         f.write(b"x")
     assert f"{damaged / 'shard-000001.parquet'}: " in refused(damaged)
+
+    # rows that are not where the manifest places them (a shard rewritten by hand, manifest updated)
+    moved = tmp_path / "moved"
+    shutil.copytree(exported, moved)
+    shard = moved / "shard-000000.parquet"
+    pq.write_table(pq.read_table(shard).take(list(range(15, -1, -1))), shard)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["shards"][0].update(bytes=shard.stat().st_size, sha256=file_sha256(shard))
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StudentDataError, match=f"{shard} row 0: holds sample 15, the manifest places sample 0 there"):
+        run_training(from_export(job, moved))
 
 
 def test_a_mixture_corpus_given_as_its_export_trains_as_its_folders(tiny_student, micro_scored, exported, tmp_path):
