@@ -76,10 +76,11 @@ class MixtureCorpus:
 
 
 def mixture_problems(mixture: Sequence[MixtureCorpus]) -> list[str]:
-    """What is wrong with the list as a whole (each entry's own problems are reported by ``build``)."""
+    """What is wrong with each corpus (``mixture[i].<key>: ...``) and with the list as a whole."""
+    found = [f"mixture[{i}].{line}" for i, corpus in enumerate(mixture) for line in corpus.problems()]
     names = [c.name for c in mixture]
     twice = sorted({n for n in names if names.count(n) > 1})
-    return [f"mixture: corpus name(s) {', '.join(twice)} used twice; name each corpus once"] if twice else []
+    return found + ([f"mixture: corpus name(s) {', '.join(twice)} used twice; name each corpus once"] if twice else [])
 
 
 def recipe_of(mixture: Sequence[MixtureCorpus] | None) -> dict | None:

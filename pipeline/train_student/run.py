@@ -304,8 +304,8 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
             problems.append(str(exc))
     if check_files:  # from the values as written: a bad value elsewhere in the group does not hide them
         data_values = values.get("data") or {}
-        problems += file_problems(data_values.get("folders"), student_values.get("model"),
-                                  embedded_student=bool(student_values.get("embedded")))
+        folders = None if data_values.get("mixture") else data_values.get("folders")  # a mixture does not read them
+        problems += file_problems(folders, student_values.get("model"), embedded_student=bool(student_values.get("embedded")))
         problems += source_file_problems(data_values)
     raise_if(problems)
     embedded = bool(student_values.get("embedded"))
@@ -342,7 +342,7 @@ def source_file_problems(data_values: Mapping) -> list[str]:
     mixture = data_values.get("mixture")
     for i, corpus in enumerate(mixture if isinstance(mixture, list) else []):
         if isinstance(corpus, Mapping):
-            found += [line.replace("data.folders", f"data.mixture[{i}].folders", 1)
+            found += [line.replace("data.folders", f"data.mixture[{i}].folders")
                       for line in file_problems(corpus.get("folders"), None)]
             found += _export_missing(corpus.get("export"), f"data.mixture[{i}].export")
     return found + _export_missing(data_values.get("export"), "data.export")

@@ -72,10 +72,11 @@ def corpora(tiny_student, tmp_path_factory) -> dict[str, Path]:
             "other-teacher": scored_corpus(root / "other-teacher", tok, texts[48:72], LOSS_RANGES["web"], teacher="u")}
 
 
-def make_job(student: Path, out: Path, mixture: list[MixtureCorpus], steps: int | None = 6, **data) -> TrainJobConfig:
+def make_job(student: Path, out: Path, mixture: list[MixtureCorpus], steps: int | None = 6, workers: int = 0,
+             **data) -> TrainJobConfig:
     return TrainJobConfig(
         student=StudentConfig(name="t", model=str(student), seq_len=32),
-        data=DataConfig(folders=[], mixture=mixture, num_workers=0, cache_dir=str(out.parent / "lengths"), **data),
+        data=DataConfig(folders=[], mixture=mixture, num_workers=workers, cache_dir=str(out.parent / "lengths"), **data),
         train=TrainConfig(micro_batch_size=4, gradient_accumulation_steps=2, max_steps=steps, learning_rate=3e-3,
                           min_learning_rate=3e-4, warmup_steps=1, logging_steps=1, save_steps=2, report_to=[],
                           progress=False, use_cpu=True, cpu_threads=1),
@@ -218,7 +219,7 @@ def test_a_mixture_run_logs_the_realised_shares_and_resumes_exactly(tiny_student
     """The logged ``mixture_share_<name>`` of every step equals the share counted from the step's
     samples by their teacher losses; a run killed after step 5 and resumed logs what an
     uninterrupted one does (samples, shares, losses); the summary gives the shares of the whole run."""
-    straight = make_job(tiny_student, tmp_path / "straight", two_corpora(corpora))
+    straight = make_job(tiny_student, tmp_path / "straight", two_corpora(corpora), workers=1)  # a data-loader process
     summary = run_training(straight)
     records = metrics(Path(straight.output_dir))
     assert [r["step"] for r in records] == list(range(1, 7))
@@ -329,18 +330,28 @@ def test_mixture_settings_are_checked_together(tmp_path):
         job_config(compose(["data.mixture=[{name:'a b',weight:0,folders:[x],export:y},{name:c,wieght:1},"
                             "{name:c,weight:1,folders:[z],epochs:0}]", "data.export=e", "data.held_out_shards=1"]))
     problems = err.value.problems
+    assert len(problems) == len(set(problems)), "each problem once"
     for expected in ("data.mixture[0].name: 'a b' must be letters", "data.mixture[0].weight: 0 must be a finite number",
                      "data.mixture[0].folders: give the corpus's scored folders or its export",
                      "data.mixture[1].wieght: unknown key; did you mean weight?", "data.mixture[1].weight: required",
                      "data.mixture[2].epochs: 0 must be >= 1"):
         assert any(p.startswith(expected) for p in problems), (expected, problems)
+    # a job built in code is checked the same way before any work
+    from pipeline.train_student.run import validate
+    job = make_job(Path("s"), tmp_path / "run", [MixtureCorpus("a", 0.0, folders=["x"]), MixtureCorpus("a", 1.0)])
+    assert validate(job) == [
+        "data.mixture[0].weight: 0.0 must be a finite number > 0",
+        "data.mixture[1].folders: give the corpus's scored folders or its export (data.mixture[...].export), one of them",
+        "data.mixture: corpus name(s) a used twice; name each corpus once"]
 
 
 def test_a_missing_corpus_folder_through_the_entry_point_is_one_line(tmp_path, corpora):
-    result = subprocess.run(
+    result = subprocess.run(  # the default data.folders (the embedded scoring) do not exist here
         [sys.executable, "-m", "stages.train_student", f"hydra.run.dir={tmp_path}/logs", f"output_dir={tmp_path}/run",
-         f"data.mixture=[{{name:math,weight:3,folders:[{corpora['math']}]}},{{name:web,weight:1,folders:[{tmp_path}/nowhere]}}]"],
+         f"scored_root={tmp_path}/none", f"data.mixture=[{{name:math,weight:3,folders:[{corpora['math']}]}},{{name:web,weight:1,folders:[{tmp_path}/nowhere]}}]"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"data.mixture[1].folders: scored dataset folder not found: {tmp_path}/nowhere" in result.stderr
+    assert result.stderr == (f"error: data.mixture[1].folders: scored dataset folder not found: {tmp_path}/nowhere "
+                             "(score the corpus first: make score-teacher with the same teacher and data, or point "
+                             "data.mixture[1].folders at a scored dataset)\n"), "the default data.folders are not read"
     assert not (tmp_path / "run").exists()
