@@ -33,6 +33,8 @@ case               what it measures
 ``export``         student tokens per CPU-second of ``make export-student`` / of tokenization alone,
                    bytes per student token of each format, peak RSS at several shards / one
                    (:mod:`benchmarks.export`)
+``export_data``    stage 2's samples per CPU-second read from an export (``data.export``) / aligned
+                   from the scored folders, identical batches (:mod:`benchmarks.export_data`)
 ``served_teacher`` a teacher served by vLLM's OpenAI-compatible server against the in-process engine on
                    the same windows: tokens/s, the requests in flight that saturate the server; in
                    ``.venv-vllm`` (skipped without it) (:mod:`benchmarks.served_teacher`)
@@ -46,4 +48,5 @@ Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes 
 """
 
 CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export",
-         "vllm_backend", "served_teacher")
+         "vllm_backend", "served_teacher",
+         "export_data")

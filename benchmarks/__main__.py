@@ -22,6 +22,8 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
 from benchmarks.config import BenchConfig, bench_config
+from benchmarks.export_data import FIRST_RUN as EXPORT_DATA_FIRST_RUN
+from benchmarks.export_data import MEASURE as EXPORT_DATA_MEASURE
 from benchmarks.served_teacher import MEASURES as SERVED_MEASURES
 from benchmarks.vllm_backend import MEASURES as VLLM_MEASURES
 from stages.common import entry_point, quiet_libraries
@@ -46,6 +48,8 @@ CASE_MEASURES = {
     "export": [("export_throughput", "export-student throughput per core / tokenization alone (tokens per CPU-s)",
                 "target", ">="),
                ("export_memory", "memory growth, export-student (peak RSS, more shards / one)", "memory_target", "<=")],
+    "export_data": [("export_data_speedup", EXPORT_DATA_MEASURE, "target", ">="),
+                    ("export_data_first_run", EXPORT_DATA_FIRST_RUN, None, None)],
 }
 
 
@@ -116,7 +120,7 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
         return case.run(case_cfg)
     if name in ("student_data", "teachers"):
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.student), inputs.scored_dataset())
-    if name == "export":
+    if name in ("export", "export_data"):
         from benchmarks.inputs import real_tokenizer_folder
 
         folder = real_tokenizer_folder(case_cfg.student, inputs.tokenizers_dir, work / "tokenizers")

@@ -80,7 +80,7 @@ def build(cls: type[T], values: Mapping[str, Any] | None, where: str, problems: 
     ``rename`` maps a key as written to its field name; fields in ``assume`` are not reported
     missing (they were built elsewhere and failed there); keys in ``also_known`` belong to another
     dataclass read from the same group (listed among the known keys, never reported). Fields typed as a dataclass accept an
-    instance or a mapping (built recursively). Returns None when anything is wrong."""
+    instance or a mapping (built recursively), and fields typed as a list of a dataclass a list of them. Returns None when anything is wrong."""
     rename = dict(rename or {})
     shown = {field: key for key, field in rename.items()}  # field name -> the key as written
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -107,6 +107,12 @@ def build(cls: type[T], values: Mapping[str, Any] | None, where: str, problems: 
         if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
             value = build(hint, value, f"{prefix}{shown.get(name, name)}", own)
             if value is None:
+                continue
+        element = _listed_dataclass(hint)
+        if element is not None and isinstance(value, (list, tuple)):
+            value = [build(element, v, f"{prefix}{shown.get(name, name)}[{i}]", own) if isinstance(v, Mapping) else v
+                     for i, v in enumerate(value)]
+            if any(v is None for v in value):
                 continue
         if _fits(value, hint):
             good[name] = value
@@ -163,6 +169,17 @@ def _unchecked(cls: type[T], values: dict[str, Any]) -> T:
             value = f.default_factory()
         object.__setattr__(obj, f.name, value)
     return obj
+
+
+def _listed_dataclass(hint: Any) -> type | None:
+    """``X`` when ``hint`` is ``list[X]`` (or ``list[X] | None``) of a dataclass ``X``: such a field
+    takes a list of mappings, each built as an ``X``."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for option in options:
+        args = typing.get_args(option)
+        if typing.get_origin(option) is list and args and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
 
 
 def _fits(value: Any, hint: Any) -> bool:

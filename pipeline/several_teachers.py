@@ -85,8 +85,12 @@ def file_name(shard: ShardInfo) -> str:
 
 def teacher_names(datasets: Sequence[ScoredDataset]) -> list[str]:
     """Each teacher's name from its identity; a name used twice gets ``#<position>``."""
-    names = [str((d.teacher.get("teacher") or {}).get("name", "?")) for d in datasets]
-    return [f"{n}#{i}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+    return unique_names([str((d.teacher.get("teacher") or {}).get("name", "?")) for d in datasets])
+
+
+def unique_names(names: Sequence[str]) -> list[str]:
+    """``names`` with ``#<position>`` added to a name used twice."""
+    return [f"{n}#{i}" if list(names).count(n) > 1 else n for i, n in enumerate(names)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -70,6 +70,12 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
         ("non-finite", f"{len(s.nonfinite_steps)} step(s) skipped: " + ", ".join(map(str, s.nonfinite_steps[:20]))
          + (" ..." if len(s.nonfinite_steps) > 20 else "") if s.nonfinite_steps else "no step skipped"),
     ]
+    if d.get("export"):
+        rows.insert(2, ("export", f"{d['export']} (its rows as exported: nothing tokenized or aligned)"))
+    if d.get("mixture"):  # the realised share of each corpus over the samples trained
+        rows.insert(2, ("mixture", "; ".join(
+            f"{m['name']} {m['share']:.3f} of the samples (weight {m['weight']:.3f}), {m['samples']:,} samples, "
+            f"{m['passes']:.2f} of {m['epochs']} pass(es)" for m in d["mixture"])))
     if last:
         rows.append(("last log", ", ".join(f"{k} {last[k]:.4g}" for k in (
             "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "excess_loss", "learning_rate") if k in last)))

@@ -58,4 +58,10 @@ def _comparable(identity: dict) -> dict:
     out["folders"] = {str(i): {"complete": f.get("complete"), "identity": f.get("identity")}
                       for i, f in enumerate(identity.get("folders") or [])}
     out["shards_skipped"] = [Path(s.get("file", "")).name for s in identity.get("shards_skipped") or []]
+    mixture = identity.get("mixture")
+    if isinstance(mixture, dict):  # a data mixture: each corpus's data compared as a run of it alone, by name
+        corpora = mixture.get("corpora") or []
+        out["mixture"] = {**mixture, "corpora": {str(c.get("name", i)): {**c, "data": _comparable(c.get("data") or {})}
+                                                 for i, c in enumerate(corpora)},
+                          "order": [c.get("name") for c in corpora]}
     return out

@@ -175,3 +175,13 @@ def test_vllm_backend_case_is_skipped_with_a_note_without_its_environment(tmp_pa
     # both take as long at N tokens: 40 s + N / 25,000 = 0 s + N / 5,000 -> N = 250,000
     assert breakeven({"start_s": 0.0, "steady_tokens_per_s": 5000.0}, {"start_s": 40.0, "steady_tokens_per_s": 25000.0}) \
         == pytest.approx(250_000)
+
+
+def test_export_data_case_quick(micro_scored, tiny_student, tmp_path):
+    from benchmarks.export_data import ExportDataBenchConfig, run
+    from pipeline.tokenization import load_tokenizer
+
+    cfg = ExportDataBenchConfig(max_shards=2, seq_len=32, rows_per_shard=32, repeats=1, warmup=0)
+    result = run(cfg, tmp_path, tiny_student, load_tokenizer(str(tiny_student)), micro_scored)
+    _check_figures(result, {"export_data_speedup", "export_data_first_run"})
+    assert result["identical_batches"] and result["samples_per_pass"] > 32

@@ -32,6 +32,7 @@ from pipeline.export_student.card import write_card
 from pipeline.export_student.config import ExportJobConfig
 from pipeline.export_student.formats import LITDATA_INDEX, LITDATA_SUFFIX, shard_parts, write_litdata_index
 from pipeline.export_student.rows import Row, RowSource, row_schema, rows_table
+from pipeline.export_folder import EXPORT_VERSION, EXPORT_VERSION_KEY
 from pipeline.folder_lock import exclusive_writer
 from pipeline.provenance import code_version
 from pipeline.several_teachers import open_teachers, teacher_names
@@ -53,8 +54,7 @@ from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 1
-EXPORT = FolderKind(what="student export", version_key="export_version", version=EXPORT_VERSION, verb="exported",
+EXPORT = FolderKind(what="student export", version_key=EXPORT_VERSION_KEY, version=EXPORT_VERSION, verb="exported",
                     redo="export it again", derived=(MANIFEST_NAME, CARD_NAME, LITDATA_INDEX))
 
 

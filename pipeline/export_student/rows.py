@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
+from pipeline.export_folder import teacher_loss_column
 from pipeline.student_side import PackedDataset, StudentData
 from storage_schemas.reader import ShardInfo, read_row_group
 from storage_schemas.rows import list_array
@@ -47,7 +48,7 @@ BASE_SCHEMA = pa.schema([
 
 def row_schema(n_teachers: int) -> pa.Schema:
     """The export's Parquet schema; several teachers add one ``teacher_loss_t<i>`` column each."""
-    extra = [pa.field(f"teacher_loss_t{t}", pa.list_(pa.float32())) for t in range(n_teachers)] if n_teachers > 1 else []
+    extra = [pa.field(teacher_loss_column(t), pa.list_(pa.float32())) for t in range(n_teachers)] if n_teachers > 1 else []
     return pa.schema([*BASE_SCHEMA, *extra])
 
 

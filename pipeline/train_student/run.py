@@ -62,7 +62,17 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
     save_final,
     trainer_state,
 )
+from pipeline.train_student.from_export import ExportData, open_export_data
+from pipeline.train_student.mixture import (
+    CorpusData,
+    MixtureCorpus,
+    MixtureData,
+    build_mixture,
+    mixture_problems,
+    recipe_of,
+)
 from pipeline.train_student.several_teachers import TeacherMetrics
+from pipeline.train_student.trackers import tracker_callbacks, tracker_problems
 from pipeline.train_student.trainer import (
     CheckpointRecordCallback,
     GuidedTrainer,
@@ -118,19 +128,37 @@ class DataConfig:
     missing_documents: str = "refuse"  # several teachers: a document one lacks is refused | unmapped for it
     token_ratio_bound: float = 1.25  # student tokens per teacher token assumed at most, before the count
     held_out_shards: int = 0  # the last N planned shards of the first folder are never trained on (eval-student's held-out text)
+    mixture: list[MixtureCorpus] | None = None  # several corpora drawn at set weights (folders is then not read)
+    export: str | None = None  # a make export-student folder to train on instead of aligning the folders again
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_at_least(found, "held_out_shards", self.held_out_shards, 0)
+        found += source_problems(self)
         check_choice(found, "on_bad_shard", self.on_bad_shard, ON_BAD_SHARD)
         check_choice(found, "missing_documents", self.missing_documents, MISSING_RULES)
         if not self.token_ratio_bound > 0:
             found.append(f"token_ratio_bound: must be > 0, got {self.token_ratio_bound}")
         check_choice(found, "verify", self.verify, VERIFY)
         check_at_least(found, "epochs", self.epochs, 1)
-        if not self.folders:
+        if not self.folders and not self.mixture and not self.export:
             found.append("folders: no scored dataset folder given")
         return found
+
+
+def source_problems(d: DataConfig) -> list[str]:
+    """Where the data comes from: ``folders``, ``mixture`` or ``export``, and what each allows."""
+    found: list[str] = []
+    if d.mixture is not None:
+        if not d.mixture:
+            found.append("mixture: an empty list; list the corpora (name, weight, folders or export), or leave it null")
+        found += mixture_problems(d.mixture)
+        if d.export:
+            found.append("export: give an export inside data.mixture (data.mixture[i].export), not beside it")
+    if (d.export or (d.mixture and d.mixture[0].export)) and d.held_out_shards:
+        found.append("held_out_shards: an export holds every shard it was made from; hold shards out with "
+                     "data.folders, or leave held_out_shards at 0")
+    return found
 
 
 @dataclass(frozen=True)
@@ -178,6 +206,7 @@ class TrainConfig:
             found.append("max_steps: set max_steps or max_tokens, not both")
         if self.min_learning_rate > self.learning_rate:
             found.append(f"min_learning_rate: {self.min_learning_rate} exceeds train.learning_rate {self.learning_rate}")
+        found += tracker_problems(self.report_to)
         return found
 
 
@@ -202,7 +231,10 @@ class TrainJobConfig:
                 if k not in ("folders", "num_workers", "prefetch_factor", "length_workers", "cache_dir",
                              "missing_documents",  # several teachers: in the data identity
                              "held_out_shards",  # in the data identity (shards_held_out)
-                             "token_ratio_bound")}
+                             "token_ratio_bound",
+                             "mixture", "export")}  # where the data is; the identity pins what it holds
+        if self.data.mixture:
+            data["mixture"] = recipe_of(self.data.mixture)
         train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL}
         student = {k: v for k, v in asdict(self.student).items() if k != "name"}
         loss = {**asdict(self.selection), "aggregate": self.alignment.aggregate,
@@ -272,8 +304,9 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
             problems.append(str(exc))
     if check_files:  # from the values as written: a bad value elsewhere in the group does not hide them
         data_values = values.get("data") or {}
-        problems += file_problems(data_values.get("folders"), student_values.get("model"),
-                                  embedded_student=bool(student_values.get("embedded")))
+        folders = None if data_values.get("mixture") else data_values.get("folders")  # a mixture does not read them
+        problems += file_problems(folders, student_values.get("model"), embedded_student=bool(student_values.get("embedded")))
+        problems += source_file_problems(data_values)
     raise_if(problems)
     embedded = bool(student_values.get("embedded"))
     model = job.student.model
@@ -281,9 +314,15 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
     return replace(
         job, output_dir=os.path.abspath(job.output_dir),
         student=replace(job.student, model=os.path.abspath(model)) if embedded or Path(model).exists() else job.student,
-        data=replace(data, folders=[f if sfs.is_remote(f) else os.path.abspath(f) for f in data.folders],
-                     cache_dir=os.path.abspath(data.cache_dir) if data.cache_dir else None),
+        data=replace(data, folders=_absolute(data.folders), cache_dir=os.path.abspath(data.cache_dir) if data.cache_dir else None,
+                     export=_absolute([data.export])[0] if data.export else None,
+                     mixture=[replace(c, folders=_absolute(c.folders), export=_absolute([c.export])[0] if c.export else None)
+                              for c in data.mixture] if data.mixture else data.mixture),
     )
+
+
+def _absolute(paths: list[str]) -> list[str]:
+    return [p if sfs.is_remote(p) else os.path.abspath(p) for p in paths]
 
 
 def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
@@ -295,6 +334,25 @@ def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
             and not os.path.exists(os.path.expanduser(model))):
         found.append(f"student.model: no such local folder: {model}")
     return found
+
+
+def source_file_problems(data_values: Mapping) -> list[str]:
+    """Scored folders and exports of ``data.mixture`` and ``data.export`` that do not exist."""
+    found = []
+    mixture = data_values.get("mixture")
+    for i, corpus in enumerate(mixture if isinstance(mixture, list) else []):
+        if isinstance(corpus, Mapping):
+            found += [line.replace("data.folders", f"data.mixture[{i}].folders")
+                      for line in file_problems(corpus.get("folders"), None)]
+            found += _export_missing(corpus.get("export"), f"data.mixture[{i}].export")
+    return found + _export_missing(data_values.get("export"), "data.export")
+
+
+def _export_missing(folder, key: str) -> list[str]:
+    if isinstance(folder, str) and folder and not sfs.is_dir(folder):
+        return [f"{key}: export folder not found: {folder} (write it first: make export-student with the run's "
+                "student and data settings)"]
+    return []
 
 
 def batch_geometry(job: TrainJobConfig, world_size: int) -> tuple[int, int]:
@@ -426,9 +484,15 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
     )
 
 
-def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData:
-    """Open the scored folders, run ``check(scored)`` (before the token count), count and plan."""
+def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData | MixtureData | ExportData:
+    """Open the scored folders, run ``check(scored)`` (before the token count), count and plan; or
+    mix the corpora of ``data.mixture`` (:func:`prepare_mixture`), or read ``data.export``
+    (:mod:`pipeline.train_student.from_export`)."""
     d = job.data
+    if d.mixture:
+        return prepare_mixture(job, tokenizer)
+    if d.export:  # the rows are read as they were exported: nothing is counted, tokenized or aligned
+        return open_export_data(d.export, tokenizer, job.student.seq_len, d, job.alignment)
     scored = open_teachers(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
     scored = hold_out(scored, d.held_out_shards)
     if check is not None:
@@ -436,6 +500,20 @@ def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData:
     return build_student_data(scored, tokenizer, _packing(job), job.alignment, cache_dir=d.cache_dir,
                               num_proc=d.length_workers, on_bad_shard=d.on_bad_shard,
                               missing_documents=d.missing_documents)
+
+
+def prepare_mixture(job: TrainJobConfig, tokenizer) -> MixtureData:
+    """Each corpus of ``data.mixture`` packed as a single-corpus run of its folders would be, with
+    its own passes (``epochs``, else ``data.epochs``), then mixed (:mod:`pipeline.train_student.mixture`).
+    ``data.held_out_shards`` holds shards of the first corpus out."""
+    corpora = []
+    for i, corpus in enumerate(job.data.mixture):
+        epochs = corpus.epochs or job.data.epochs
+        one = replace(job.data, folders=list(corpus.folders), epochs=epochs, mixture=None, export=corpus.export,
+                      held_out_shards=job.data.held_out_shards if i == 0 else 0)
+        log.info("corpus %s of the mixture (weight %g, at most %d pass(es))", corpus.name, corpus.weight, epochs)
+        corpora.append(CorpusData(corpus.name, corpus.weight, epochs, prepare_data(replace(job, data=one), tokenizer)))
+    return build_mixture(corpora, job.data.seed, job.student.seq_len)
 
 
 def held_out_entries(folder: ScoredFolder, n: int) -> list[dict]:
@@ -542,6 +620,8 @@ def _number_of_steps(job: TrainJobConfig, data: StudentData, world_size: int, ac
         steps = math.ceil(job.train.max_tokens / tokens_per_step)
     else:
         steps = available
+    if isinstance(data, MixtureData):  # names the corpus that runs out
+        data.check_length(steps * samples_per_step, samples_per_step)
     if steps < 1 or steps > available:
         raise ConfigError(
             f"{steps} optimizer steps asked for, the data gives {available}: {data.plan.n_samples} packed samples "
@@ -631,6 +711,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,
         report_to=list(t.report_to),
+        run_name=Path(job.output_dir).name,  # the trackers' name for the run (pipeline.train_student.trackers)
         disable_tqdm=not t.progress,
         seed=t.seed,
         data_seed=t.seed,
@@ -655,7 +736,7 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
         data_collator=collate_packed,
         processing_class=tokenizer,
         callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), CheckpointRecordCallback(identity, guard),
-                   *(callbacks or [])],
+                   *tracker_callbacks(job.train.report_to), *(callbacks or [])],
         selection=job.selection,
         seed=job.train.seed,
         guard=guard,

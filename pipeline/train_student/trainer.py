@@ -20,6 +20,9 @@ its checkpoint records.
   (:class:`pipeline.train_student.several_teachers.TeacherMetrics`: ``decided_t<i>``,
   ``mapped_fraction_t<i>``, ``selection_jaccard_t<a>_t<b>``), kept in the section "several
   teachers" below; a skipped step's sums are dropped, as for the other metrics.
+* with a data mixture (:mod:`pipeline.train_student.mixture`) every log also adds the realised
+  share of each corpus among the samples drawn since the last log, ``mixture_share_<name>``
+  (section "mixtures" below), counted from the ``corpus`` of each sample of the batches.
 * a step whose loss (any micro-batch, any rank) or gradient is not finite is skipped whole: the
   optimizer does nothing, while the step still counts (batches consumed, schedule advanced), so a
   resumed run stays exact. After ``max_in_a_row`` such steps in a row the trainer saves a
@@ -94,6 +97,7 @@ class GuidedTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.teacher_metrics = teacher_metrics  # several teachers (docs/METHOD.md §2.6)
         self._teacher_sums = self._teacher_step_sums = None
+        self._corpus_counts = None  # a mixture's samples per corpus since the last log, on the device
         self.selection = selection
         self.selection_seed = seed
         self.guard = guard or NonFiniteGuard()
@@ -126,6 +130,7 @@ class GuidedTrainer(Trainer):
         if model.training:
             self._accumulate(inputs, stats, loss)
             self._accumulate_teachers(inputs, selection)
+            self._accumulate_corpora(inputs)
         return (loss, {"logits": logits}) if return_outputs else loss
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
@@ -230,6 +235,7 @@ class GuidedTrainer(Trainer):
         if "loss" in logs and self._sums is not None:  # a training logging step, on every rank
             logs.update(self._selection_metrics())
             logs.update(self._teacher_log())
+            logs.update(self._mixture_log())
             logs.update(nonfinite_steps=len(self.guard.skipped), skipped_steps=self._skipped_since_log)
             self._skipped_since_log = 0
         passes = self._data_passes()
@@ -307,6 +313,31 @@ class GuidedTrainer(Trainer):
             sums = self.accelerator.reduce(sums, reduction="sum")
         self._teacher_sums = None
         return self.teacher_metrics.metrics(sums.tolist())
+
+    # ---- mixtures (pipeline.train_student.mixture) -----------------------------------------------
+
+    def _accumulate_corpora(self, inputs) -> None:
+        """Count a micro-batch's samples per corpus of the mixture (drawn, whether or not the step
+        is later skipped)."""
+        names = getattr(self.train_dataset, "corpus_names", None)
+        if names is None or "corpus" not in inputs:
+            return
+        counts = torch.bincount(inputs["corpus"].reshape(-1), minlength=len(names)).double()
+        self._corpus_counts = counts if self._corpus_counts is None else self._corpus_counts + counts
+
+    def _mixture_log(self) -> dict[str, float]:
+        """Each corpus's share of the samples drawn since the last log (all ranks' counts)."""
+        names = getattr(self.train_dataset, "corpus_names", None)
+        if names is None:
+            return {}
+        counts = self._corpus_counts
+        if counts is None:
+            counts = torch.zeros(len(names), dtype=torch.float64, device=self.args.device)
+        if self.args.world_size > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        self._corpus_counts = None
+        total = float(counts.sum())
+        return {f"mixture_share_{name}": _ratio(float(n), total) for name, n in zip(names, counts.tolist())}
 
     @property
     def tokens_per_step(self) -> int:
