@@ -52,11 +52,14 @@ from pipeline.student_side import (
     collate_packed,
 )
 from pipeline.tokenization import fingerprint, load_tokenizer
+from pipeline.output_folder import SetAside, overlap_problem
 from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchError: the run's refusal)
     METRICS_NAME,
     RunMismatchError,
     checkpoint_step,
+    is_run_entry,
     prepare_run_folder,
+    recover_run_folder,
     read_guard_state,
     resolve_checkpoint,
     save_final,
@@ -222,7 +225,21 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
         batch_geometry(job, world_size)
     except ValueError as exc:
         p.append(str(exc))
-    return p
+    overlap = run_folder_problem(job)
+    return p + ([overlap] if overlap else [])
+
+
+def run_folder_problem(job: TrainJobConfig) -> str | None:
+    """The run folder may not be, hold or lie inside what the run reads (the student, its
+    tokenizer, a scored folder, and with ``overwrite`` the checkpoint ``train.resume`` names),
+    whatever ``overwrite`` says (:func:`pipeline.output_folder.overlap_problem`)."""
+    inputs = {"student.model": job.student.model, "student.tokenizer": job.student.tokenizer,
+              **{f"data.folders[{i}]": f for i, f in enumerate(job.data.folders)}}
+    if job.overwrite and job.train.resume not in ("auto", "never"):
+        inputs["train.resume"] = job.train.resume  # overwrite=true would set it aside before resuming from it
+    problem = overlap_problem(job.output_dir, inputs)
+    return problem and (f"{problem}, so the run may not write there, whatever overwrite says: train into a folder "
+                        "of its own, run_name=<a new name> (or output_dir=<a new folder>)")
 
 
 # The job's configuration as a config file writes it (conf/train_student.yaml). The ``loss`` group
@@ -274,6 +291,8 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
         data_values = values.get("data") or {}
         problems += file_problems(data_values.get("folders"), student_values.get("model"),
                                   embedded_student=bool(student_values.get("embedded")))
+        overlap = run_folder_problem(job) if job is not None else None
+        problems += [overlap] if overlap else []
     raise_if(problems)
     embedded = bool(student_values.get("embedded"))
     model = job.student.model
@@ -376,25 +395,35 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
 
     if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
         lock.enter_context(exclusive_writer(job.output_dir, what="training run"))
+    with args.main_process_first(local=False, desc="run folder recovery"):
+        if args.process_index == 0:
+            recover_run_folder(job.output_dir)
     checkpoint = resolve_checkpoint(job.output_dir, job.train.resume, job.overwrite, job.recipe(), identity, student)
+    aside = SetAside(Path(job.output_dir), is_run_entry)  # what overwrite=true set aside (rank 0)
     with args.main_process_first(local=False, desc="run folder"):
         if args.process_index == 0:
-            prepare_run_folder(job.output_dir, job.overwrite, checkpoint, job.recipe(), student)
+            aside = prepare_run_folder(job.output_dir, job.overwrite, checkpoint, job.recipe(), student)
 
-    trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks)
-    final = save_final(trainer, job.output_dir, identity, final_dtype(job.train))
+    try:
+        trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks,
+                                         on_checkpoint=aside.commit)
+        final = save_final(trainer, job.output_dir, identity, final_dtype(job.train))
+    except BaseException:
+        aside.restore()  # nothing saved yet: the old run comes back whole (a no-op once committed)
+        raise
+    aside.commit()
     return _summary(job, trainer, data, checkpoint, start_step, tokens_per_step, final, time.perf_counter() - t0)
 
 
 def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, data: StudentData, identity: dict,
-               callbacks: list | None):
+               callbacks: list | None, on_checkpoint=None):
     """Load the student and train it from ``checkpoint`` (or from scratch) to ``args.max_steps``.
 
     A checkpoint already at ``max_steps`` is a finished run: its weights are loaded and nothing is
     trained (the HF Trainer would otherwise train one step past the end). The count of skipped
     non-finite steps continues from the checkpoint's; a run stopped by too many of them in a row
-    raises :class:`NonFiniteLossError` (after its checkpoint is saved). Returns the trainer and the
-    step it started from.
+    raises :class:`NonFiniteLossError` (after its checkpoint is saved). ``on_checkpoint`` is called
+    once each checkpoint is complete. Returns the trainer and the step it started from.
     """
 
     start_step = checkpoint_step(checkpoint)
@@ -402,7 +431,8 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     student = replace(job.student, model=checkpoint, revision=None) if finished else job.student
     guard = NonFiniteGuard(max_in_a_row=job.train.max_nonfinite_in_a_row)
     guard.restore(read_guard_state(checkpoint))
-    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks)
+    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks,
+                       on_checkpoint)
     if finished:
         log.info("%s is at step %d of %d: nothing to train", checkpoint, start_step, args.max_steps)
         trainer.state.log_history = trainer_state(checkpoint).get("log_history", [])
@@ -647,15 +677,15 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
     )
 
 
-def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks):
+def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks, on_checkpoint=None):
     return GuidedTrainer(
         model=model,
         args=args,
         train_dataset=data.dataset,
         data_collator=collate_packed,
         processing_class=tokenizer,
-        callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), CheckpointRecordCallback(identity, guard),
-                   *(callbacks or [])],
+        callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME),
+                   CheckpointRecordCallback(identity, guard, on_checkpoint), *(callbacks or [])],
         selection=job.selection,
         seed=job.train.seed,
         guard=guard,

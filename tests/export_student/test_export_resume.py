@@ -92,7 +92,7 @@ def test_a_folder_holding_a_scored_dataset_or_inside_one_is_refused(tiny_student
     with pytest.raises(DatasetMismatchError, match="another kind of output"):
         run_export(make_export(tiny_student, micro_scored, scored_copy, overwrite=False))
     assert files(scored_copy) == before and not (scored_copy / "index.json").exists()
-    with pytest.raises(DatasetMismatchError, match="inside the scored folder"):
+    with pytest.raises(DatasetMismatchError, match="lies inside data.folders"):
         run_export(make_export(tiny_student, micro_scored, Path(micro_scored) / "export"))
     assert not (Path(micro_scored) / "export").exists()
 
