@@ -20,6 +20,7 @@ are deleted when every check has passed and every input is read (docs/RELIABILIT
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
+from pipeline.config import UserError
 from pipeline.folder_lock import LOCK_NAME
 from storage_schemas import filesystem as sfs
 
@@ -187,3 +189,36 @@ def recover(folder: str | os.PathLike, owned: Owned) -> list[str]:
         log.warning("%s: put back its previous contents (%s), set aside by an overwrite that was stopped before "
                     "its run started", folder, describe(restored))
     return restored
+
+
+# ---------------------------------------------------------------------------------------------
+# A folder that cannot be written
+
+
+class StorageError(UserError, OSError):
+    """A file system refused a write or a read: full, read-only, or not permitted. The message is
+    one line: what, where, and what to do."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+STORAGE_ADVICE = {
+    errno.ENOSPC: "the disk is full: free space there, or write the output elsewhere",
+    errno.EDQUOT: "the disk quota is used up: free space there, or write the output elsewhere",
+    errno.EROFS: "the file system is read-only: write the output elsewhere (output_dir=<a writable folder>)",
+    errno.EACCES: "permission denied: make it readable and writable for this user, or use another folder",
+    errno.EPERM: "operation not permitted: make it writable for this user, or use another folder",
+}
+
+
+def storage_error(exc: BaseException, where: str = "") -> StorageError | None:
+    """``exc`` as one line if it is a file system's refusal (:data:`STORAGE_ADVICE`), else None.
+    ``where`` says what was being done. What finished before is kept and marked complete, and
+    nothing half-written is, so the same command resumes once the cause is fixed."""
+    if not isinstance(exc, OSError) or exc.errno not in STORAGE_ADVICE:
+        return None
+    path = exc.filename if exc.filename is not None else None
+    what = os.strerror(exc.errno)
+    text = f"{where + ': ' if where else ''}{what}{f' ({path})' if path else ''}; {STORAGE_ADVICE[exc.errno]}; "
+    return StorageError(exc.errno, text + "what finished is kept, and the same command resumes")

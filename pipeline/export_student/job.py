@@ -24,14 +24,14 @@ from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
-from transformers import AutoConfig
 
-from pipeline.config import ConfigError, UserError
+from pipeline.config import UserError
 from pipeline.export_student.card import write_card
 from pipeline.export_student.config import ExportJobConfig
 from pipeline.export_student.formats import LITDATA_INDEX, LITDATA_SUFFIX, shard_parts, write_litdata_index
 from pipeline.export_student.rows import Row, RowSource, row_schema, rows_table
 from pipeline.folder_lock import exclusive_writer
+from pipeline.model_source import model_positions, refuse_seq_len
 from pipeline.output_folder import overlap_problem
 from pipeline.provenance import code_version
 from pipeline.several_teachers import open_teachers, teacher_names
@@ -97,24 +97,11 @@ def load_student_tokenizer(job: ExportJobConfig):
     return tokenizer
 
 
-def student_positions(job: ExportJobConfig) -> int | None:
-    """The student's positions as its model config states them (None: no model given, or it does not say)."""
-    s = job.student
-    if not s.model:
-        return None
-    config = AutoConfig.from_pretrained(s.model, revision=s.revision, trust_remote_code=s.trust_remote_code)
-    return next((int(getattr(config, k)) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
-                 if getattr(config, k, None)), None)
-
-
 def check_seq_len(job: ExportJobConfig) -> None:
     """Packed rows feed ``seq_len`` positions to the student: no more than it has."""
-    if job.export.layout != "packed":
-        return
-    positions = student_positions(job)
-    if positions is not None and job.student.seq_len > positions:
-        raise ConfigError(f"student.seq_len: {job.student.seq_len} exceeds the {positions} positions of "
-                          f"{job.student.model}; set student.seq_len <= {positions}")
+    if job.export.layout == "packed":
+        s = job.student
+        refuse_seq_len(s.seq_len, s.model, model_positions(s.model, s.revision, s.trust_remote_code))
 
 
 def check_output_dir(job: ExportJobConfig) -> None:

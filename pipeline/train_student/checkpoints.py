@@ -22,7 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.config import MissingPathError, UserError
+from pipeline.config import MissingPathError, UserError, override
 from pipeline.output_folder import SetAside, recover, set_aside
 from storage_schemas import iter_identity_differences, write_json_atomic
 from storage_schemas.reader import data_identity_differences
@@ -140,7 +140,8 @@ def ways_on(checkpoint: Path, longer: bool) -> list[str]:
     ``overwrite=true`` with what it deletes."""
     ways = []
     if longer:
-        ways.append(f"To train further, start a new run from this one's model: student.model={checkpoint.parent / FINAL_NAME}"
+        ways.append(f"To train further, start a new run from this one's model: "
+                    f"{override('student.model', checkpoint.parent / FINAL_NAME)}"
                     " student.embedded=false run_name=<a new name> (or output_dir=<a new folder>; the learning-rate "
                     "schedule starts again; docs/configuration.md, \"Resuming, and training longer\").")
     ways.append(f"Or use another run name (run_name=<a new name>); or {OVERWRITE_DELETES}.")

@@ -41,11 +41,12 @@ from pipeline.config import (
 )
 from pipeline.folder_lock import exclusive_writer
 from pipeline.guided_loss import SelectionConfig
-from pipeline.model_source import looks_local
+from pipeline.model_source import local_model_problem, model_positions, refuse_seq_len
 from pipeline.provenance import model_identity
 from pipeline.several_teachers import MISSING_RULES, open_teachers
 from pipeline.student_side import (
     AlignmentConfig,
+    scored_folder_problems,
     PackingConfig,
     StudentData,
     build_student_data,
@@ -306,14 +307,11 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
 
 
 def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
-    """Scored folders that do not exist, and a student given as a local path that does not."""
-    found = [f"data.folders: scored dataset folder not found: {f} (score the corpus first: make "
-             "score-teacher with the same teacher and data, or point data.folders at a scored dataset)"
-             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not sfs.is_dir(f)]
-    if (isinstance(model, str) and model and not embedded_student and looks_local(model)
-            and not os.path.exists(os.path.expanduser(model))):
-        found.append(f"student.model: no such local folder: {model}")
-    return found
+    """Scored folders that are missing or hold no dataset, and a student given as a local path
+    that does not exist or holds no model (each with its fix)."""
+    found = scored_folder_problems(folders)
+    problem = None if embedded_student else local_model_problem("student.model", model)
+    return found + ([problem] if problem else [])
 
 
 def batch_geometry(job: TrainJobConfig, world_size: int) -> tuple[int, int]:
@@ -378,6 +376,8 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
     problems = validate(job, world_size)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    s = job.student  # the sequence against the student's positions first: every later count depends on it
+    refuse_seq_len(s.seq_len, s.model, model_positions(s.model, s.revision, s.trust_remote_code))
     accumulation, tokens_per_step = batch_geometry(job, world_size)
     args = _training_arguments(job, accumulation, max_steps=1)  # max_steps is set once the data is known
 
