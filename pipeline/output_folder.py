@@ -133,6 +133,13 @@ def owned_entries(folder: Path, owned: Owned) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name != LOCK_NAME and not is_aside(p.name) and owned(p))
 
 
+def has_aside(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds contents set aside by an overwrite (stopped, or still running): it
+    is judged only after :func:`recover`, under its lock."""
+    folder = Path(folder) if not sfs.is_remote(folder) else None
+    return folder is not None and folder.is_dir() and any(is_aside(p.name) for p in folder.iterdir())
+
+
 def set_aside(folder: str | os.PathLike, owned: Owned) -> SetAside:
     """Move the entries of ``folder`` that ``owned`` names into a hidden folder inside it."""
     folder = Path(folder)

@@ -32,7 +32,7 @@ from pipeline.export_student.formats import LITDATA_INDEX, LITDATA_SUFFIX, shard
 from pipeline.export_student.rows import Row, RowSource, row_schema, rows_table
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import model_positions, refuse_seq_len
-from pipeline.output_folder import overlap_problem
+from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version
 from pipeline.several_teachers import open_teachers, teacher_names
 from pipeline.shard_folder import (
@@ -247,8 +247,8 @@ def _run_export(job: ExportJobConfig) -> ExportSummary:
     identity = export_identity(job, data, tokenizer, n_rows)
     location = {"scored_folders": [str(f) for f in job.data.folders], "student_model": job.student.model,
                 "student_tokenizer": job.student.tokenizer or job.student.model}
-    if sfs.is_remote(job.output_dir) or Path(job.output_dir).is_dir():  # before creating anything there
-        refuse_mismatch(job.output_dir, identity, EXPORT, job.overwrite)
+    if (sfs.is_remote(job.output_dir) or Path(job.output_dir).is_dir()) and not has_aside(job.output_dir):
+        refuse_mismatch(job.output_dir, identity, EXPORT, job.overwrite)  # before creating anything there
     with exclusive_writer(job.output_dir, what="export"):
         done, aside = prepare_folder(job.output_dir, identity, job.overwrite, EXPORT)
         before = len(done)

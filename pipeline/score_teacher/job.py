@@ -41,7 +41,7 @@ from pipeline.config import (
 from pipeline.dataset_card import write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import looks_local
-from pipeline.output_folder import overlap_problem
+from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version, is_local_model, model_identity
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
@@ -469,7 +469,7 @@ def _refuse_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
     if problem:
         raise DatasetMismatchError(f"{problem}; whatever overwrite says, a scored dataset goes to a folder of its own: "
                                    "choose another output_dir")
-    if sfs.is_remote(cfg.output_dir) or Path(cfg.output_dir).is_dir():
+    if (sfs.is_remote(cfg.output_dir) or Path(cfg.output_dir).is_dir()) and not has_aside(cfg.output_dir):
         refuse_mismatch(cfg.output_dir, prepared.identity, cfg.overwrite)
 
 

@@ -69,7 +69,7 @@ def student_run_folder(folder: Path) -> dict[str, str]:
 def test_a_folder_of_another_kind_is_refused_whatever_overwrite_says(micro_teacher, micro_corpus, tmp_path):
     run = tmp_path / "students" / "run"
     before = student_run_folder(run)
-    result = stage1(tmp_path, "teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}",
+    result = stage1(tmp_path, "teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.stride=null",
                     "data.embedded=false", "data.name=micro", f"data.files=[{micro_corpus[0]}]", f"output_dir={run}",
                     "overwrite=true")
     one_line(result, f"error: {run}: is not empty and holds no scored dataset (checkpoint-2, final, metrics.jsonl",
@@ -142,7 +142,7 @@ def test_a_failed_start_leaves_no_folder_and_no_manifest(micro_teacher, micro_co
 
 def test_a_read_only_output_folder_is_one_line(micro_teacher, micro_corpus, tmp_path, tiny_filesystem):
     out = tiny_filesystem(64, read_only=True) / "ds"
-    result = stage1(tmp_path, "teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}",
+    result = stage1(tmp_path, "teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.stride=null",
                     "data.embedded=false", "data.name=micro", f"data.files=[{micro_corpus[0]}]", f"output_dir={out}")
     one_line(result, f"Read-only file system ({out})", "output_dir=<a writable folder>")
 
@@ -150,7 +150,7 @@ def test_a_read_only_output_folder_is_one_line(micro_teacher, micro_corpus, tmp_
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_through_the_command_line(micro_teacher, micro_corpus, tmp_path, tiny_filesystem):
     out = tiny_filesystem(300) / "ds"
-    result = stage1(tmp_path, "teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}",
+    result = stage1(tmp_path, "teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.stride=null",
                     "data.embedded=false", "data.name=micro", f"data.files=[{micro_corpus[0]}]", f"output_dir={out}",
                     "data.rows_per_shard=20", "ray.num_cpus=2", "progress=false")
     line = one_line(result, "could not be written: No space left on device", "free space there")
