@@ -115,7 +115,8 @@ def test_an_output_folder_that_is_holds_or_lies_in_an_input_is_named(tmp_path, m
     assert " lies inside student.model " in overlap_problem(run / "final" / "sub", inputs)
     assert overlap_problem(run / "final" / "sub", inputs, inside_ok=True) is None
     assert overlap_problem(tmp_path / "runs" / "other", inputs) is None
-    assert overlap_problem(tmp_path / "runs" / "copyrun2", inputs) is None, "a name that only starts alike"
+    assert overlap_problem(tmp_path / "runs" / "copy", inputs) is None, "a name that only starts alike"
+    assert overlap_problem(run / "fin", inputs) is None
     monkeypatch.setenv("HOME", str(tmp_path))
     assert " holds student.model " in overlap_problem("~/runs", inputs)
     assert overlap_problem("s3://bucket/a", [("data.folders[0]", "s3://bucket/a/v1")]) == \

@@ -241,10 +241,12 @@ def refuse_other_result(out: Path, request: dict, overwrite: bool) -> None:
         old = {}
     recorded = old.get("request") if isinstance(old, dict) else None
     if recorded is None:  # written before requests were recorded: compare what the record holds
-        recorded = {"checkpoint": old.get("identity"), "tasks": {n: r.get("comparable") for n, r in
-                                                                  (old.get("tasks") or {}).items()}}
-        current = {"checkpoint": request["checkpoint"], "tasks": request["tasks"]}
-        differences = list(iter_identity_differences(recorded, current)) or ["it was written by an older version"]
+        held = (old.get("bits_per_byte") or {}).get("comparable") or {}
+        recorded = {"checkpoint": old.get("identity"), "held_out_text": held.get("text_sha256"),
+                    "tasks": {n: r.get("comparable") for n, r in (old.get("tasks") or {}).items()}}
+        current = {"checkpoint": request["checkpoint"], "tasks": request["tasks"],
+                   "held_out_text": (request["bits_per_byte"] or {}).get("text_sha256")}
+        differences = list(iter_identity_differences(recorded, current))
     else:
         differences = list(iter_identity_differences(recorded, request))
     if differences:
