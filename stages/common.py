@@ -105,7 +105,8 @@ def interrupts() -> Iterator[None]:
 
 
 def exit_on_user_error(fn):
-    """The project's user errors (:class:`pipeline.config.UserError`) end the entry point with one
+    """The project's user errors (:class:`pipeline.config.UserError`), and a full, read-only or
+    forbidden file system (:func:`pipeline.output_folder.storage_error`), end the entry point with one
     clear line and exit status 2, no traceback (VOCAGNO_TRACEBACK=1 shows it); an interrupt ends it
     with one line and 130 (SIGINT) or 143 (SIGTERM). Everything else (CUDA, NCCL and Ray errors, a
     bug) propagates with its traceback and another exit status."""
