@@ -49,16 +49,18 @@ def test_a_tilde_is_the_home_folder_and_a_folder_given_as_corpus_files_gets_its_
         resolve_sources(CorpusConfig(name="mine", files=[str(tmp_path / "corpus" / "*.parquet")]))
 
 
-def test_a_relative_teacher_path_is_not_taken_for_a_hub_id_without_a_word(tmp_path):
-    (tmp_path / "corpus.jsonl").write_text(json.dumps({"text": "2 + 2 = 4"}) + "\n")
-    line = only_line(stage1(tmp_path, f"data.files=[{tmp_path / 'corpus.jsonl'}]", "teacher.embedded=false",
-                            "teacher.name=t", "teacher.model=models/my-teacher", f"output_root={tmp_path / 'scored'}",
-                            f"artifacts_dir={tmp_path / 'artifacts'}"))
-    assert line.startswith("error: teacher 't' (models/my-teacher): models/my-teacher is not in the Hugging Face "
-                           "cache"), line
-    assert line.endswith(f"read as a hub id: as a local path it does not exist ({REPO / 'models' / 'my-teacher'}), "
+def test_a_relative_teacher_path_is_not_taken_for_a_hub_id_without_a_word():
+    """The check stage 1 runs before Ray (its one-line path through the command line: row 26)."""
+    from pipeline.model_source import TeacherSourceError, check_teacher_source
+    from pipeline.score_teacher.job import TeacherConfig
+
+    with pytest.raises(TeacherSourceError) as refusal:  # offline here, as in every test (conftest)
+        check_teacher_source(TeacherConfig(name="t", model="models/my-teacher"))
+    line = str(refusal.value)
+    assert "\n" not in line and line.startswith("teacher 't' (models/my-teacher): models/my-teacher is not in the "
+                                                 "Hugging Face cache"), line
+    assert line.endswith(f"read as a hub id: as a local path it does not exist ({Path.cwd() / 'models' / 'my-teacher'}), "
                          "and a relative one is written ./models/my-teacher"), line
-    assert not (tmp_path / "scored").exists()
 
 
 def run_make_line(line: str, cwd: Path) -> list[str]:

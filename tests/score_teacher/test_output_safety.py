@@ -89,7 +89,7 @@ def test_an_output_folder_holding_the_teacher_or_the_corpus_is_refused(micro_tea
     assert Path(corpus).is_file()
 
 
-def test_overwrite_gives_the_old_dataset_back_when_the_new_scoring_fails_before_its_first_shard(
+def test_overwrite_sets_the_old_dataset_aside_and_gives_it_back_when_the_new_scoring_fails_or_is_killed(
         micro_teacher, micro_corpus, ray_local, tmp_path, monkeypatch):
     out = tmp_path / "ds"
     run_score_job(job(micro_teacher, micro_corpus[:1], out, rows=200))  # one shard
@@ -116,18 +116,14 @@ def test_overwrite_gives_the_old_dataset_back_when_the_new_scoring_fails_before_
     assert not [p for p in out.iterdir() if p.name.startswith((".replac", ".restoring", ".deleting"))]
     assert tree(out)["shard-000000.parquet"] != before["shard-000000.parquet"], "the new corpus's shard"
 
-
-def test_a_scoring_killed_after_overwrite_set_the_old_shards_aside_is_put_back(
-        micro_teacher, micro_corpus, ray_local, tmp_path):
-    out = tmp_path / "ds"
-    cfg = job(micro_teacher, micro_corpus[:1], out, rows=200)
-    run_score_job(cfg)
-    before = tree(out)
-    set_aside(out, output_entries(SCORED))  # what an overwrite=true run did before it was SIGKILLed
-    (out / "manifest.json").write_text('{"schema_version": 1}')  # and the manifest it had started
-    again = run_score_job(cfg)
+    # Killed after an overwrite set the shards aside and started its manifest: the same command
+    # again puts them back and finds every shard done.
+    after = tree(out)
+    set_aside(out, output_entries(SCORED))
+    (out / "manifest.json").write_text('{"schema_version": 1}')
+    again = run_score_job(job(micro_teacher, micro_corpus[1:], out, rows=200))
     assert again.shards_scored == 0 and again.shards_done_before == 1, "the old shards were found again"
-    assert tree(out) == before
+    assert tree(out) == after
 
 
 def test_a_failed_start_leaves_no_folder_and_no_manifest(micro_teacher, micro_corpus, ray_local, tmp_path):

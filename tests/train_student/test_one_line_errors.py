@@ -1,6 +1,7 @@
 """Mistakes with paths and lengths end in one line naming the setting, the problem and the fix,
-exit status 2, before any data is read (through the real command lines of train-student and
-export-student; the scored folders here are stand-ins, read only once the configuration is valid)."""
+exit status 2, before any data is read (through train-student's real command line, and its and
+export-student's configuration checks; the scored folders here are stand-ins, read only once the
+configuration is valid)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError
+from pipeline.export_student.config import export_job_config
+from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training, train_job_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,21 +60,27 @@ def test_a_run_folder_a_missing_relative_path_and_a_scored_folder_given_as_the_m
                        f"data.folders=[{scored}]"),
                    f"error: student.model: {run} is a train-student run folder, not a model; its final model is "
                    f"student.model={run / 'final'}\n")
-    assert line.count("\n") == 1
-    refused(cli("train_student", tmp_path, "student.embedded=false", "student.model=outputs/students/x/run/finall",
-                f"data.folders=[{scored}]"),
-            "error: student.model: no such local file or folder: outputs/students/x/run/finall\n")
-    refused(cli("export_student", tmp_path, "student.embedded=false", "student.name=t", f"student.model={scored}",
-                f"data.folders=[{scored}]"),
-            f"error: student.model: {scored} is a scored dataset or an export (it holds a manifest.json), not a model\n")
-    assert not (tmp_path / "out").exists()
+    assert line.count("\n") == 1 and not (tmp_path / "out").exists()
+    # the same configuration checks as the command lines run them (their one-line path is the one above)
+    values = {"student": {"name": "t", "model": "outputs/students/x/run/finall"}, "data": {"folders": [str(scored)]},
+              "output_dir": str(tmp_path / "out")}
+    with pytest.raises(ConfigError, match="^student.model: no such local file or folder: outputs/students/x/run/finall$"):
+        train_job_config({**values, "train": {}, "loss": {}}, check_files=True)
+    with pytest.raises(ConfigError, match=f"^student.model: {scored} is a scored dataset or an export "
+                                          r"\(it holds a manifest.json\), not a model$"):
+        export_job_config({**values, "student": {"name": "t", "model": str(scored)}, "export": {}, "loss": {}},
+                          check_files=True)
 
 
 def test_a_sequence_longer_than_the_students_positions_is_the_first_error(tiny_student, tmp_path):
-    """Before the data is opened or counted: the step and token checks would otherwise refuse first."""
+    """Before the data is opened or counted: the step and token checks would otherwise refuse first
+    (the stand-in scored folder is not even a dataset)."""
     scored = stand_in_scored(tmp_path / "scored")
-    result = cli("train_student", tmp_path, "student.embedded=false", "student.name=t", f"student.model={tiny_student}",
-                 "student.seq_len=100000", f"data.folders=[{scored}]", "train.max_steps=20")
-    assert refused(result) == (f"error: student.seq_len: 100000 exceeds the 64 positions of {tiny_student}; "
-                               "set student.seq_len <= 64\n")
+    job = TrainJobConfig(student=StudentConfig(name="t", model=str(tiny_student), seq_len=100000),
+                         data=DataConfig(folders=[str(scored)]), train=TrainConfig(max_steps=20, use_cpu=True),
+                         output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError) as refusal:
+        run_training(job)
+    assert str(refusal.value) == (f"student.seq_len: 100000 exceeds the 64 positions of {tiny_student}; "
+                                  "set student.seq_len <= 64")
     assert not (tmp_path / "out").exists()
