@@ -147,8 +147,8 @@ def test_a_read_only_output_folder_is_one_line(micro_teacher, micro_corpus, tmp_
 def test_a_full_disk_is_one_line_through_the_command_line(micro_teacher, micro_corpus, tmp_path, tiny_filesystem):
     out = tiny_filesystem(300) / "ds"
     result = stage1(tmp_path, "teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.stride=null",
-                    "data.embedded=false", "data.name=micro", f"data.files=[{micro_corpus[0]}]", f"output_dir={out}",
-                    "data.rows_per_shard=20", "ray.num_cpus=2", "progress=false")
+                    "data.embedded=false", "data.name=micro", f"data.files=[{','.join(map(str, micro_corpus))}]",
+                    f"output_dir={out}", "data.rows_per_shard=10", "ray.num_cpus=2", "progress=false")  # ~420 kB
     line = one_line(result, "could not be written: No space left on device", "free space there")
     assert "on_bad_shard" not in result.stderr, line
     markers = {p.name.split(".")[0] for p in out.glob("shard-*.done.json")}
