@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 .DEFAULT_GOAL := help
 
-.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean
+.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean clean-outputs
 
 help:  ## every target, one line each
 	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -119,5 +119,16 @@ compare: setup  ## evaluation results side by side
 repro: setup  ## the paper's claims at toy scale (repro-results/; ~90 min on 2 cores; ARGS="part=..." one part)
 	$(PY) -m repro $(ARGS)
 
-clean:  ## remove outputs/ (scored data, runs, logs) and pytest's cache
-	rm -rf outputs .pytest_cache
+# make clean removes only what is rebuilt without cost; scored datasets, runs, exports and evaluations
+# under outputs/ go only with make clean-outputs, which lists them and asks (CONFIRM=yes: no question).
+clean:  ## remove caches and logs (outputs/logs, outputs/cache, .pytest_cache); scored data and runs stay
+	rm -rf outputs/logs outputs/cache .pytest_cache
+
+clean-outputs:  ## delete everything under outputs/ (scored datasets, runs, exports, evaluations), after asking
+	@if [ ! -d outputs ] || [ -z "$$(ls -A outputs)" ]; then echo "outputs/ holds nothing"; exit 0; fi; \
+	echo "This deletes, for good:"; du -sh outputs/* 2>/dev/null | sed 's/^/  /'; \
+	if [ "$(CONFIRM)" != yes ]; then \
+		if [ -t 0 ]; then read -r -p "Delete all of outputs/? [y/N] " answer; else answer=; fi; \
+		case "$$answer" in y|Y|yes) ;; *) echo "kept outputs/ (CONFIRM=yes deletes without asking)"; exit 1;; esac; \
+	fi; \
+	rm -rf outputs && echo "deleted outputs/"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, Iterable, Mapping, TypeVar
@@ -46,6 +47,17 @@ def raise_if(problems: list[str]) -> None:
         raise ConfigError(problems[0], problems)
     if problems:
         raise ConfigError(f"invalid configuration ({len(problems)} problems):\n  - " + "\n  - ".join(problems), problems)
+
+
+def override(key: str, value) -> str:
+    """``key=value`` as a command line gives it to Hydra: the value quoted where Hydra would split
+    or parse it (a comma, brackets, quotes), as it is otherwise (spaces, globs and URIs are read as
+    they are). Messages and printed commands write settings with it, so that they run as printed."""
+    value = str(value)
+    if not re.search(r"[,\[\]{}()'\"\\$]", value) and value == value.strip():
+        return f"{key}={value}"
+    quote = '"' if '"' not in value else "'"
+    return f"{key}={quote}{value}{quote}"
 
 
 def nearest(word: str, choices: Iterable[str]) -> str:

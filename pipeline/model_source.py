@@ -28,9 +28,9 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.config import ConfigError, UserError
+from pipeline.config import ConfigError, UserError, override
 
 HUB_TIMEOUT_S = 10.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -84,6 +84,9 @@ def _error(source, problem: str, ways_out: bool = True) -> TeacherSourceError:
         text += (f"; ways out: a local folder or file ({local}), or the Hugging Face "
                  f"cache (download once where there is network: hf download {source.model}; "
                  f"then run with the same HF_HOME, HF_HUB_OFFLINE=1 works)")
+    if "/" in source.model and not os.path.exists(os.path.expanduser(source.model)):
+        text += (f"; read as a hub id: as a local path it does not exist ({os.path.abspath(source.model)}), "
+                 f"and a relative one is written ./{source.model}")
     return TeacherSourceError(text)
 
 
@@ -95,8 +98,30 @@ def resolve_device(device: str) -> torch.device:
 
 
 def looks_local(name: str) -> bool:
-    """A path as written (absolute, ./, ../, ~), as opposed to a hub id."""
-    return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
+    """A path as written (absolute, ./, ../, ~, or with more than one ``/``: a hub id has at most
+    one), as opposed to a hub id."""
+    return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name) or name.count("/") > 1
+
+
+def local_model_problem(setting: str, value) -> str | None:
+    """Why ``value``, given to ``setting`` (``student.model``, ``checkpoint`` ...), is no model to
+    load, with the fix: a local path that does not exist, or a folder that holds no model (a
+    train-student run folder, whose model is its ``final/``; a scored dataset or an export).
+    None: a model folder, a file, or a hub id (checked where it is fetched)."""
+    if not isinstance(value, str) or not value:
+        return None
+    path = Path(os.path.expanduser(value))
+    if not path.exists():
+        return f"{setting}: no such local file or folder: {value}" if looks_local(value) else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    if (path / "final" / "config.json").is_file():  # train-student's run folder (docs/configuration.md)
+        return (f"{setting}: {value} is a train-student run folder, not a model; its final model is "
+                f"{override(setting, path / 'final')}")
+    if (path / "manifest.json").is_file():
+        return f"{setting}: {value} is a scored dataset or an export (it holds a manifest.json), not a model"
+    return (f"{setting}: {value} holds no config.json, so it is no model folder (one written by save_pretrained, "
+            "or a hub id)")
 
 
 def _list_files(teacher, key: str, timeout_s: float, need_weights: bool) -> set[str] | None:
@@ -216,3 +241,20 @@ def _copy_tokenizer_files(model: str, revision: str | None, dest: Path) -> list[
             shutil.copyfile(source / name, dest / name)
             copied.append(name)
     return copied
+
+
+def model_positions(model: str | None, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
+    """The positions a model has, as its config states them (None: no model, or it does not say);
+    reads the config only, never the weights."""
+    if not model:
+        return None
+    config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    return next((int(getattr(config, k)) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                 if getattr(config, k, None)), None)
+
+
+def refuse_seq_len(seq_len: int, model: str | None, positions: int | None) -> None:
+    """``student.seq_len`` may not exceed the student's positions (None: unknown, not checked)."""
+    if positions is not None and seq_len > positions:
+        raise ConfigError(f"student.seq_len: {seq_len} exceeds the {positions} positions of {model}; "
+                          f"set student.seq_len <= {positions}")

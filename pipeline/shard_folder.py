@@ -12,10 +12,13 @@ folders and the export's student-side folders (docs/METHOD.md §1.5).
   no winning marker names are deleted when a run starts and ends (:func:`remove_unreferenced`).
 * A shard without a marker (or whose marked files are missing or of another size) is unfinished
   and is redone whole by the next run.
-* A folder holding another kind of output, or the same kind made with another identity, is refused
-  with the list of differences (:func:`folder_problem`), unless ``overwrite``, which deletes its
-  shards first. The manifest (``manifest.json``) is the folder's truth; readers use the shards it
-  lists; each stage writes its own from the markers.
+* A folder holding another kind of output, or files that are no output's (a student run, say), is
+  refused whatever ``overwrite`` says (:func:`foreign_problem`). One of the same kind made with
+  another identity is refused with the list of differences (:func:`folder_problem`), unless
+  ``overwrite``: its shards are then set aside and deleted once the new run has finished its first
+  shard, or put back if it fails before (:mod:`pipeline.output_folder`). The manifest
+  (``manifest.json``) is the folder's truth; readers use the shards it lists; each stage writes its
+  own from the markers.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from typing import Callable, Mapping
 
 from pipeline.config import UserError
 from pipeline.folder_lock import LOCK_NAME
+from pipeline.output_folder import SetAside, describe, is_aside, recover, set_aside
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,
@@ -144,33 +147,71 @@ def _fsync_dir(path: Path) -> None:
 # The folder
 
 
-def prepare_folder(folder: str | os.PathLike, identity: dict, overwrite: bool, kind: FolderKind) -> dict[int, dict]:
-    """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries.
+def prepare_folder(folder: str | os.PathLike, identity: dict, overwrite: bool, kind: FolderKind,
+                   hint: str = "") -> tuple[dict[int, dict], SetAside | None]:
+    """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries and,
+    when ``overwrite`` replaced an output, what it set aside (the caller commits it once the new
+    run has finished a shard, or restores it if the run fails first; None: nothing set aside).
 
-    Refuses (:class:`DatasetMismatchError`) a folder of another kind or identity, or holding shards
-    without a manifest, unless ``overwrite``. Leftover temporary files are removed, and on an
-    object store every object no winning marker names."""
+    Puts back what an overwrite killed before its first shard had set aside. Refuses
+    (:class:`DatasetMismatchError`) a folder of another kind or with files of no output
+    (whatever ``overwrite`` says), and one of another identity or holding shards without a
+    manifest unless ``overwrite`` (``hint``: the stage's own advice, first). Leftover temporary
+    files are removed, and on an object store every object no winning marker names."""
     remote = sfs.is_remote(folder)
     folder = os.fspath(folder) if remote else Path(folder)
+    aside = None
     if not remote and folder.exists() and not folder.is_dir():
         raise DatasetMismatchError(f"{folder}: exists and is not a folder")
+    if not remote:
+        recover(folder, output_entries(kind))
     if remote or folder.is_dir():
-        problem = folder_problem(folder, identity, kind)
-        if problem and not overwrite:
-            raise DatasetMismatchError(f"{problem}\nChoose another output folder, or pass overwrite=true to {kind.redo}.")
-        if problem:
-            clear_folder(folder, kind)
+        refuse_mismatch(folder, identity, kind, overwrite, hint)
+        if overwrite and folder_problem(folder, identity, kind):
+            if remote:
+                clear_folder(folder, kind)  # no rename there: deleted once every check has passed
+            else:
+                aside = set_aside(folder, output_entries(kind))
     if not remote:
         folder.mkdir(parents=True, exist_ok=True)
         for leftover in folder.glob(".*.tmp-*"):
             leftover.unlink()
     done = finished_shards(folder)
     remove_unreferenced(folder, done)
-    return done
+    return done, aside
+
+
+def refuse_mismatch(folder: Path | str, identity: dict, kind: FolderKind, overwrite: bool, hint: str = "") -> None:
+    """Raise :class:`DatasetMismatchError` unless ``folder`` can take this run: never for a folder
+    of another kind or holding files of no output; unless ``overwrite`` for another identity.
+    The advice names what ``overwrite=true`` deletes (``hint``: the stage's own advice, first)."""
+    foreign = foreign_problem(folder, kind)
+    if foreign:
+        raise DatasetMismatchError(f"{foreign}; whatever overwrite says, {kind.what}s go to a folder of their own: "
+                                   "choose another output_dir")
+    problem = folder_problem(folder, identity, kind)
+    if problem and not overwrite:
+        ways = [hint] if hint else []
+        ways.append(f"Choose another output folder, or pass overwrite=true to {kind.redo}: {overwrite_deletes(folder, kind)}")
+        raise DatasetMismatchError(problem + "\n" + "\n".join(ways))
+
+
+def overwrite_deletes(folder: Path | str, kind: FolderKind) -> str:
+    """What ``overwrite=true`` deletes in ``folder``, and when, for the refusal's advice."""
+    names = sfs.file_sizes(folder)
+    shards = sorted({n.split(".", 1)[0] for n in names if ANY_SHARD_FILE.match(n)})
+    derived = [n for n in kind.derived if n in names]
+    what = f"its {len(shards)} shard(s) ({describe(shards, 3)})" if shards else "its shard files (none now)"
+    what += f" and {', '.join(derived)}" if derived else ""
+    when = ("at once (an object store cannot set them aside)" if sfs.is_remote(folder)
+            else "once the new run has finished its first shard (they are put back if it fails before)")
+    return f"it deletes {what}, {when}; the folder's other files stay."
 
 
 def folder_problem(folder: Path | str, identity: dict, kind: FolderKind) -> str | None:
-    """Why ``folder`` cannot take a run of ``kind`` with ``identity`` (None: it can)."""
+    """Why ``folder`` cannot take a run of ``kind`` with ``identity`` (None: it can) that
+    ``overwrite`` may resolve: another identity or version, an unreadable manifest, shards
+    without a manifest."""
     manifest_path = sfs.child(folder, MANIFEST_NAME)
     if sfs.exists(manifest_path):
         try:
@@ -178,7 +219,7 @@ def folder_problem(folder: Path | str, identity: dict, kind: FolderKind) -> str 
         except json.JSONDecodeError as exc:
             return f"{manifest_path}: unreadable manifest ({exc})"
         if not isinstance(old, dict) or kind.version_key not in old:
-            return f"{folder}: holds another kind of output (its {MANIFEST_NAME} is not a {kind.what}'s)"
+            return None  # another kind: foreign_problem
         if old.get(kind.version_key) != kind.version:
             return (f"{folder}: holds {kind.version_key.replace('_', ' ')} {old.get(kind.version_key)!r}, "
                     f"this code writes {kind.version}")
@@ -191,19 +232,52 @@ def folder_problem(folder: Path | str, identity: dict, kind: FolderKind) -> str 
     return None
 
 
-def clear_folder(folder: Path | str, kind: FolderKind) -> None:
-    """Delete every shard file, part and marker, the files derived from them and temporary files;
-    locally also hidden folders and ``inspect/`` (reports made by ``make inspect`` describe the old
-    shards). The lock stays."""
+def foreign_problem(folder: Path | str, kind: FolderKind) -> str | None:
+    """Why ``folder`` is no place for a ``kind`` whatever ``overwrite`` says (None: it may be):
+    its manifest is another kind's, or it has no manifest and holds entries no output of this
+    kind has (a student run's ``run.json`` and checkpoints, a model; hidden files are passed over)."""
+    manifest_path = sfs.child(folder, MANIFEST_NAME)
+    if sfs.exists(manifest_path):
+        try:
+            old = json.loads(sfs.read_bytes(manifest_path))
+        except json.JSONDecodeError:
+            return None  # folder_problem names it
+        if not isinstance(old, dict) or kind.version_key not in old:
+            return f"{folder}: holds another kind of output (its {MANIFEST_NAME} is not a {kind.what}'s)"
+        return None
+    if sfs.is_remote(folder):
+        other = [n for n in sfs.file_sizes(folder) if n != LOCK_NAME and not is_output_name(n, kind)]
+    else:
+        owned = output_entries(kind)
+        other = [p.name for p in Path(folder).iterdir() if not p.name.startswith(".") and not owned(p)]
+    if other:
+        return f"{folder}: is not empty and holds no {kind.what} ({describe(other, 4)})"
+    return None
+
+
+def is_output_name(name: str, kind: FolderKind) -> bool:
+    """A file of an output of ``kind``: a shard's file, part or marker, a file derived from them,
+    or a temporary file."""
+    return bool(ANY_SHARD_FILE.match(name)) or name in kind.derived or (name.startswith(".") and ".tmp-" in name)
+
+
+def output_entries(kind: FolderKind):
+    """Which entries of a local folder belong to an output of ``kind`` (what ``overwrite=true``
+    replaces): its files (:func:`is_output_name`), hidden folders and the ``inspect/`` reports
+    (made by ``make inspect``, they describe the old shards). The lock is never one."""
+    def owned(path: Path) -> bool:
+        if path.is_dir() and not path.is_symlink():
+            return path.name.startswith(".") or path.name == "inspect"
+        return is_output_name(path.name, kind)
+    return owned
+
+
+def clear_folder(folder: str, kind: FolderKind) -> None:
+    """On an object store: delete every shard object, part and marker and the objects derived
+    from them. The lock stays."""
     for name in sfs.file_sizes(folder):
-        if name == LOCK_NAME:
-            continue
-        if ANY_SHARD_FILE.match(name) or name in kind.derived or (name.startswith(".") and ".tmp-" in name):
+        if name != LOCK_NAME and is_output_name(name, kind):
             sfs.delete(sfs.child(folder, name))
-    if isinstance(folder, Path):
-        for path in folder.iterdir():
-            if path.is_dir() and (path.name.startswith(".") or path.name == "inspect"):
-                shutil.rmtree(path)
 
 
 def parts_of(entry: dict) -> list[dict]:

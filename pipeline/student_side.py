@@ -86,6 +86,8 @@ from pipeline.several_teachers import (
     teacher_names,
 )
 from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
+from storage_schemas import MANIFEST_NAME
+from storage_schemas import filesystem as sfs
 from storage_schemas.reader import (
     BadShardError,
     ScoredDataset,
@@ -95,6 +97,27 @@ from storage_schemas.reader import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def scored_folder_problems(folders, setting: str = "data.folders") -> list[str]:
+    """Each of ``folders`` (as the config wrote them) that does not exist, or that is a local folder
+    holding no scored dataset, with the fix: the datasets found inside it (a corpus or teacher
+    folder given without its ``/v1``), or how to make one."""
+    found = []
+    for folder in folders if isinstance(folders, list) else []:
+        if not isinstance(folder, str):
+            continue
+        if not sfs.is_dir(folder):
+            found.append(f"{setting}: scored dataset folder not found: {folder} (score the corpus first: make "
+                         f"score-teacher with the same teacher and data, or point {setting} at a scored dataset)")
+        elif not sfs.is_remote(folder) and not (Path(folder) / MANIFEST_NAME).is_file():
+            inside = sorted(str(m.parent) for pattern in ("*/" + MANIFEST_NAME, "*/*/" + MANIFEST_NAME)
+                            for m in Path(folder).glob(pattern))
+            fix = (f"the dataset(s) inside it: {', '.join(inside[:3])}{' ...' if len(inside) > 3 else ''}; "
+                   f"e.g. {setting}=[{inside[0]}]" if inside else
+                   "a scored dataset is the folder make score-teacher writes, <output_root>/<corpus>/<teacher>/v1")
+            found.append(f"{setting}: {folder} holds no scored dataset (no {MANIFEST_NAME}); {fix}")
+    return found
 
 
 class StudentDataError(UserError, ValueError):

@@ -22,6 +22,8 @@ import contextlib
 import functools
 import logging
 import os
+import re
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -33,12 +35,14 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.config import ConfigError, UserError, build, nearest, raise_if  # noqa: F401  (entry points import them from here)
+from pipeline.config import ConfigError, UserError, build, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
+from pipeline.output_folder import storage_error
 from storage_schemas import ContractError, dataset_dir
 from storage_schemas.reader import DocumentNotFoundError
 
@@ -101,7 +105,8 @@ def interrupts() -> Iterator[None]:
 
 
 def exit_on_user_error(fn):
-    """The project's user errors (:class:`pipeline.config.UserError`) end the entry point with one
+    """The project's user errors (:class:`pipeline.config.UserError`), and a full, read-only or
+    forbidden file system (:func:`pipeline.output_folder.storage_error`), end the entry point with one
     clear line and exit status 2, no traceback (VOCAGNO_TRACEBACK=1 shows it); an interrupt ends it
     with one line and 130 (SIGINT) or 143 (SIGTERM). Everything else (CUDA, NCCL and Ray errors, a
     bug) propagates with its traceback and another exit status."""
@@ -116,6 +121,12 @@ def exit_on_user_error(fn):
                 raise
             print(f"error: {exc}", file=sys.stderr)
             sys.exit(2)
+        except OSError as exc:  # a full, read-only or forbidden file system: one line too
+            storage = storage_error(exc)
+            if storage is None or os.environ.get("VOCAGNO_TRACEBACK"):
+                raise
+            print(f"error: {storage}", file=sys.stderr)
+            sys.exit(2)
         except KeyboardInterrupt as exc:
             signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
             print(f"interrupted ({signal.Signals(signum).name}): stopped; what was finished is kept and marked "
@@ -125,14 +136,51 @@ def exit_on_user_error(fn):
     return wrapper
 
 
+def with_problems(extra: list[str], make: Callable[[], T]) -> T:
+    """``make()`` (a typed config builder raising :class:`ConfigError`), with ``extra`` problems
+    the entry point found itself reported in the same message."""
+    try:
+        built = make()
+    except ConfigError as exc:
+        raise_if(exc.problems + [p for p in extra if p not in exc.problems])
+    raise_if(extra)
+    return built
+
+
+def same_path(a: str, b: str | os.PathLike) -> bool:
+    """Whether two local paths, as the command line gives them, name the same place."""
+    return Path(to_absolute_path(str(a))).resolve() == Path(to_absolute_path(str(b))).resolve()
+
+
 def python_command() -> str:
     """This interpreter as a user types it in the project folder (``.venv/bin/python``), so a
     printed command runs with the project's packages."""
     exe = Path(sys.executable)
     try:
-        return str(exe.relative_to(Path.cwd()))
+        return shlex.quote(str(exe.relative_to(Path.cwd())))
     except ValueError:
-        return str(exe)
+        return shlex.quote(str(exe))
+
+
+# ---------------------------------------------------------------------------------------------
+# Printed commands, quoted so that they run as printed (a path with a space, a comma, a quote)
+
+
+def make_command(target: str, *overrides: str) -> str:
+    """``make <target> ARGS="..."`` with ``overrides`` (:func:`pipeline.config.override`) passed whole: the
+    recipe's shell splits ARGS into words, so each is shell-quoted inside the double quotes."""
+    inner = " ".join(shlex.quote(o) for o in overrides)
+    return f'make {target} ARGS="' + re.sub(r'(["\\$`])', r"\\\1", inner) + '"'
+
+
+def expand_home(args: list[str]) -> list[str]:
+    """``~`` at the start of a path in an override's value (``student.model=~/x``,
+    ``'data.files=[~/a/*.parquet]'``) becomes the home folder: Hydra's parser refuses it unquoted
+    and keeps it as is quoted."""
+    home = os.path.expanduser("~")
+    return [a if "=" not in a or a.startswith("~") else a.split("=", 1)[0] + "=" +
+            re.sub(r"(^|[\[,'\"\s])~(?=/|$|[\],'\"\s])", lambda m: m.group(1) + home, a.split("=", 1)[1])
+            for a in args]
 
 
 def show_summary(title: str, rows: list[tuple[str, str]], lines: list[tuple[str, str]],
@@ -174,7 +222,8 @@ def entry_point(config_name: str, defaults: dict | None, check: Callable[[DictCo
 
         @functools.wraps(main)
         def run() -> Any:
-            sys.argv[1:] = exit_on_user_error(check_command_line)(config_dir, config_name, sys.argv[1:], check)
+            args = expand_home(sys.argv[1:])
+            sys.argv[1:] = exit_on_user_error(check_command_line)(config_dir, config_name, args, check)
             return hydra_main()
 
         run.check = check
@@ -209,7 +258,9 @@ def override_problems(config_dir: Path, config_name: str,
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
-        return [f"command line: {str(exc).splitlines()[0]}"], None, {}
+        hint = ("; quote a value that holds ~, a comma, brackets or quotes: key='value'"
+                if any(ch in "".join(overrides) for ch in "~,[]'\"") else "")
+        return [f"command line: {str(exc).splitlines()[0]}{hint}"], None, {}
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()

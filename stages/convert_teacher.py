@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from pipeline.config import defaults
 from pipeline.model_source import check_teacher_source, convert_to_safetensors
 from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
-from stages.common import build, entry_point, plain, quiet_libraries, raise_if
+from stages.common import build, entry_point, make_command, override, plain, quiet_libraries, raise_if
 
 
 def teacher_config(cfg: DictConfig) -> TeacherConfig:
@@ -33,7 +33,8 @@ def main(cfg: DictConfig) -> None:
     out = convert_to_safetensors(teacher.model, to_absolute_path(cfg.out_dir), revision=teacher.revision,
                                  trust_remote_code=teacher.trust_remote_code)
     print(f"safetensors copy of {teacher.model} written to {out}")
-    print(f'score with: make score-teacher ARGS="teacher={cfg.teacher.name} teacher.model={out}"')
+    print("score with: " + make_command("score-teacher", override("teacher", cfg.teacher.name),
+                                        override("teacher.model", out)))
 
 
 if __name__ == "__main__":

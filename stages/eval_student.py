@@ -33,6 +33,8 @@ from pipeline.evaluation.run import (
     run_evaluation,
 )
 from pipeline.evaluation.tasks import TASKS
+from pipeline.model_source import local_model_problem
+from pipeline.output_folder import overlap_problem
 from stages.common import build, entry_point, plain, quiet_libraries, raise_if
 from storage_schemas import filesystem as sfs
 
@@ -54,9 +56,13 @@ def job_config(cfg: DictConfig) -> EvalJobConfig:
                                   model=checkpoint, revision=settings.revision)
     label = settings.label or run_name(checkpoint)
     out_dir = to_absolute_path(settings.out_dir) if settings.out_dir else to_absolute_path(str(Path(settings.eval_root) / label))
+    inputs = [("checkpoint", checkpoint), ("bits_per_byte.scored", held_out.scored if held_out else None),
+              *(("bits_per_byte.texts", t) for t in (held_out.text_files if held_out else ())),
+              *((f"data_files.{t.name}", t.data_file) for t in tasks)]
+    raise_if([p for p in [overlap_problem(out_dir, inputs, setting="out_dir")] if p])
     return EvalJobConfig(generation=generation, tasks=tasks, output_dir=out_dir, num_fewshot=settings.num_fewshot,
                          fewshot_source=settings.fewshot_source, limit=settings.limit, label=label,
-                         progress=settings.progress, bits_per_byte=held_out)
+                         progress=settings.progress, bits_per_byte=held_out, overwrite=settings.overwrite)
 
 
 def _checkpoint(checkpoint: str | None, problems: list[str]) -> str:
@@ -66,6 +72,9 @@ def _checkpoint(checkpoint: str | None, problems: list[str]) -> str:
         return ""
     local = Path(to_absolute_path(str(checkpoint)))
     if local.is_dir():
+        problem = local_model_problem("checkpoint", str(local))  # a run folder instead of its final/, a dataset
+        if problem:
+            problems.append(problem)
         return str(local)
     if not HUB_ID.fullmatch(str(checkpoint)):
         problems.append(f"checkpoint: {checkpoint} is not a folder (and not a hub id)")

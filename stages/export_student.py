@@ -7,6 +7,7 @@ print the summary. The defaults are the typed configs'; ``conf/export_student.ya
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
@@ -43,8 +44,8 @@ def print_summary(s: ExportSummary) -> None:
         table.add_row(k, v)
     console = Console()
     console.print(table)
-    console.print(f"Read it: datasets.load_dataset('{s.output_dir}'); recipes in docs/export.md", markup=False,
-                  highlight=False)
+    console.print(f"Read it: datasets.load_dataset({json.dumps(s.output_dir)}); recipes in docs/export.md",
+                  markup=False, highlight=False, soft_wrap=True)  # one line, whatever the terminal's width
 
 
 @entry_point("export_student", config_defaults(), check=job_config)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 from rich.console import Console
 
-from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
+from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher, sample_corpus_dir, tiny_teacher_dir
 from pipeline.embedded.tiny_teacher import TinyTeacherSpec
 from pipeline.model_source import check_teacher_source
 from pipeline.score_teacher.job import (
@@ -28,7 +30,18 @@ from pipeline.score_teacher.job import (
     run_score_job,
     score_job_config,
 )
-from stages.common import ConfigError, entry_point, plain, python_command, quiet_libraries, show_summary
+from stages.common import (
+    ConfigError,
+    entry_point,
+    make_command,
+    override,
+    plain,
+    python_command,
+    quiet_libraries,
+    same_path,
+    show_summary,
+    with_problems,
+)
 from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas.filesystem import join
 
@@ -37,7 +50,29 @@ log = logging.getLogger("score_teacher")
 
 def job_config(cfg: DictConfig) -> ScoreJobConfig:
     """The typed job; every problem in the config is reported at once (:func:`score_job_config`)."""
-    return score_job_config(plain(cfg))
+    return with_problems(embedded_problems(cfg), lambda: score_job_config(plain(cfg)))
+
+
+def embedded_problems(cfg: DictConfig) -> list[str]:
+    """Your own corpus files or teacher given while the embedded sample or tiny teacher is chosen:
+    the corpus would be labelled (and its folder named) as the sample, the teacher ignored."""
+    found = []
+    d, t = cfg.get("data") or {}, cfg.get("teacher") or {}
+    if d.get("embedded") and d.get("build"):
+        files = [str(f) for f in d.get("files") or []]
+        sample = sample_corpus_dir(cfg.artifacts_dir, d.build.n_docs, d.build.seed)
+        if not (len(files) == 1 and os.path.basename(files[0]) == "*.parquet"
+                and same_path(os.path.dirname(files[0]), sample)):
+            found.append(f"data.files: your own corpus, while data.name is {d.get('name')!r}, the embedded sample's: give "
+                         "it a name of its own and say it is no sample, data.name=<a name for your corpus> "
+                         "data.embedded=false (its folder is then named after it)")
+    if t.get("embedded") and t.get("build"):
+        built = tiny_teacher_dir(cfg.artifacts_dir, t.build.corpus_docs, t.build.seed)
+        if t.get("model") and not same_path(t.model, built):
+            found.append(f"teacher.model: {t.model} is not the embedded tiny teacher (built at {built}); to score "
+                         "with that model, add teacher.embedded=false and teacher.name=<its name>, or pick a preset "
+                         "(teacher=deepseekmath-7b ...)")
+    return found
 
 
 def build_embedded(cfg: DictConfig) -> None:
@@ -75,16 +110,17 @@ def print_summary(s: JobSummary, console: Console | None = None) -> None:
         rows.append(("failed, skipped", "; ".join(f"shard {f['index']} after {f['attempts']} tries: {f['error']}"
                                                   for f in s.failed) + " (rerun the same command to score them)"))
     glob = join(s.output_dir, "shard-*.parquet")  # a local path or an s3:// / gs:// URI
-    one_liner = (
-        python_command() + " -c \"import polars as pl; print(pl.scan_parquet('" + glob + "')"
-        ".select('doc_id', pl.col('token_ids').list.len().alias('tokens'), "
-        "pl.col('losses').list.eval(pl.element().fill_nan(None)).list.mean().alias('mean_loss'))"
-        ".sort('mean_loss').collect())\""
+    code = (
+        "import polars as pl; print(pl.scan_parquet(" + json.dumps(glob) + ")"
+        ".select(\"doc_id\", pl.col(\"token_ids\").list.len().alias(\"tokens\"), "
+        "pl.col(\"losses\").list.eval(pl.element().fill_nan(None)).list.mean().alias(\"mean_loss\"))"
+        ".sort(\"mean_loss\").collect())"
     )
     show_summary("score-teacher", rows, [
         ("the scored dataset", str(s.output_dir)),
-        ("look at it with Polars (per-document token count and mean teacher loss)", one_liner),
-        ("or in the terminal", f"make inspect ARGS=\"path={s.output_dir}\""),
+        ("look at it with Polars (per-document token count and mean teacher loss)",
+         f"{python_command()} -c {shlex.quote(code)}"),
+        ("or in the terminal", make_command("inspect", override("path", s.output_dir))),
     ], console)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 from rich.console import Console
 
-from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student
+from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
 from pipeline.train_student.run import (
     TrainJobConfig,
     TrainSummary,
@@ -28,7 +29,7 @@ from pipeline.train_student.run import (
     run_training,
     train_job_config,
 )
-from stages.common import ConfigError, entry_point, plain, quiet_libraries, show_summary
+from stages.common import ConfigError, entry_point, plain, quiet_libraries, same_path, show_summary, with_problems
 from storage_schemas import write_json_atomic
 
 log = logging.getLogger("train_student")
@@ -37,7 +38,19 @@ log = logging.getLogger("train_student")
 def job_config(cfg: DictConfig, check_files: bool = False) -> TrainJobConfig:
     """The typed job; every problem in the config is reported at once (:func:`train_job_config`),
     with ``check_files`` also missing scored folders and a missing local student."""
-    return train_job_config(plain(cfg), check_files=check_files)
+    return with_problems(embedded_problems(cfg), lambda: train_job_config(plain(cfg), check_files=check_files))
+
+
+def embedded_problems(cfg: DictConfig) -> list[str]:
+    """A ``student.model`` given while the embedded tiny student is chosen (it would be ignored)."""
+    s = cfg.get("student") or {}
+    if not s.get("embedded") or not s.get("build"):
+        return []
+    built = tiny_student_dir(cfg.artifacts_dir, s.build.corpus_docs, s.build.seed)
+    if s.get("model") and not same_path(s.model, built):
+        return [f"student.model: {s.model} is not the embedded tiny student (built at {built}); to train that "
+                "model, add student.embedded=false"]
+    return []
 
 
 def build_embedded(cfg: DictConfig) -> None:
@@ -83,7 +96,7 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
         ("the run folder", str(s.output_dir)),
         ("the final model (AutoModelForCausalLM.from_pretrained)", str(s.final_model)),
         ("metrics, one JSON line per log", str(Path(s.output_dir) / "metrics.jsonl")),
-        ("TensorBoard", f"tensorboard --logdir {Path(s.output_dir) / 'runs'}"),
+        ("TensorBoard", f"tensorboard --logdir {shlex.quote(str(Path(s.output_dir) / 'runs'))}"),
     ], console)
 
 

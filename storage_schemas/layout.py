@@ -119,11 +119,15 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         return
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():  # the write failed (a full disk): no half-written file is left
+            tmp.unlink()
 
 
 def complete_shard_files(folder: str | os.PathLike) -> list[Path | str]:

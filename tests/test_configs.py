@@ -118,7 +118,7 @@ STAGE2_EXPECTED = [
     "train.learning_rate: 'fast' is not a number",
     "data.verify: 'md5' is not one of size, sha256",
     "data.folders: scored dataset folder not found: /no/such/scored/v1",
-    "student.model: no such local folder: ./no-such-student",
+    "student.model: no such local file or folder: ./no-such-student",
 ]
 
 

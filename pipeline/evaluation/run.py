@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import ConfigError, MissingPathError, check_at_least, check_choice
+from pipeline.config import ConfigError, MissingPathError, UserError, check_at_least, check_choice
 from pipeline.evaluation.bits_per_byte import summarize, text_losses
 from pipeline.evaluation.generation import (
     GenerationConfig,
@@ -45,12 +45,16 @@ from pipeline.evaluation.tasks import (
     sha256_text,
 )
 from pipeline.provenance import WEIGHT_SUFFIXES, code_version, digest_files
-from storage_schemas import file_sha256, write_json_atomic
+from storage_schemas import file_sha256, iter_identity_differences, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 EVAL_FORMAT = 1
 FEWSHOT_SOURCES = ("auto", "file", "lm_eval")
+
+
+class ResultExistsError(UserError, FileExistsError):
+    """The output folder holds the result of an evaluation with other settings."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class EvalSettings:
     bits_per_byte: BitsPerByteSettings = field(default_factory=BitsPerByteSettings)  # held-out text (tasks=[] for it alone)
     eval_root: str = "outputs/eval"
     out_dir: str | None = None  # None: <eval_root>/<label or a name derived from the checkpoint>
+    overwrite: bool = False  # replace a result of other settings in the output folder (when the new one is written)
     progress: bool = True
 
     def problems(self) -> list[str]:
@@ -110,6 +115,7 @@ class EvalJobConfig:
     label: str | None = None
     progress: bool = True
     bits_per_byte: HeldOutText | None = None  # None: not measured
+    overwrite: bool = False  # replace a result of other settings in output_dir
 
 
 @dataclass
@@ -172,6 +178,8 @@ def run_evaluation(job: EvalJobConfig, generator: Generator | None = None) -> di
     if held_out is not None and not held_out[0]:
         raise ConfigError("bits_per_byte: the held-out text holds no document (every text empty, or no shard chosen)")
     identity = checkpoint_identity(job.generation.model, job.generation.revision)
+    request = request_of(job, prepared, held_out, identity)
+    refuse_other_result(Path(job.output_dir), request, job.overwrite)  # before any model loads
     transformers = job.generation.backend == "transformers"
     loaded = load_model(job.generation) if held_out is not None and (transformers or not prepared) else None
     if prepared:
@@ -193,12 +201,61 @@ def run_evaluation(job: EvalJobConfig, generator: Generator | None = None) -> di
                      "max_new_tokens": job.generation.max_new_tokens, "limit": job.limit},
         "tasks": results,
         "truncated_prompts": generator.truncated_prompts if prepared else 0,
+        "request": request,
     }
     if held_out is not None:
         record["bits_per_byte"] = measure_held_out(job.bits_per_byte, *held_out, loaded, job.progress)
     record.update(seconds=round(time.perf_counter() - t0, 2), code_version=code_version())
     write_outputs(Path(job.output_dir), record, samples)
     return record
+
+
+def request_of(job: EvalJobConfig, prepared: list[PreparedTask], held_out, identity: dict) -> dict:
+    """What an evaluation measures, known before any model loads: the checkpoint, each task's
+    comparable settings, the held-out text, and how the model runs. Two results with different
+    requests are different results, and never replace each other (:func:`refuse_other_result`)."""
+    g = job.generation
+    request = {
+        "checkpoint": identity,
+        "tasks": {t.spec.name: t.settings(g.max_new_tokens) for t in prepared},
+        "bits_per_byte": None,
+        "generation": {"backend": g.backend, "dtype": g.dtype, "batch_size": g.batch_size, "seed": g.seed},
+        "limit": job.limit,
+    }
+    if held_out is not None:
+        texts, _ = held_out
+        request["bits_per_byte"] = {"text_sha256": text_digest(texts), "documents": len(texts),
+                                    "window": job.bits_per_byte.window, "batch_size": job.bits_per_byte.batch_size}
+    return json.loads(json.dumps(request))  # as eval.json stores it
+
+
+def refuse_other_result(out: Path, request: dict, overwrite: bool) -> None:
+    """A folder holding the result of another request is not written over unless ``overwrite``
+    (which replaces its eval.json, eval.md and samples.jsonl only once the new result is written)."""
+    path = out / "eval.json"
+    if overwrite or not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = {}
+    recorded = old.get("request") if isinstance(old, dict) else None
+    if recorded is None:  # written before requests were recorded: compare what the record holds
+        held = (old.get("bits_per_byte") or {}).get("comparable") or {}
+        recorded = {"checkpoint": old.get("identity"), "held_out_text": held.get("text_sha256"),
+                    "tasks": {n: r.get("comparable") for n, r in (old.get("tasks") or {}).items()}}
+        current = {"checkpoint": request["checkpoint"], "tasks": request["tasks"],
+                   "held_out_text": (request["bits_per_byte"] or {}).get("text_sha256")}
+        differences = list(iter_identity_differences(recorded, current))
+    else:
+        differences = list(iter_identity_differences(recorded, request))
+    if differences:
+        cut = [d if len(d) <= 100 else d[:97] + "..." for d in differences[:4]]
+        shown = "; ".join(cut) + (f"; and {len(differences) - 4} more" if len(differences) > 4 else "")
+        raise ResultExistsError(
+            f"{out} holds the result of another evaluation ({shown}); results of other settings are kept apart: "
+            "give this one its own folder, label=<a name> (or out_dir=<a folder>), or pass overwrite=true to "
+            "replace that one's eval.json, eval.md and samples.jsonl once this result is written")
 
 
 def measure_held_out(held: HeldOutText, texts: list[str], sources: list[dict], loaded: LoadedModel,

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Mapping
 
 from pipeline.config import build, check_at_least, check_choice, defaults, raise_if
-from pipeline.model_source import looks_local
+from pipeline.model_source import local_model_problem, looks_local
 from pipeline.several_teachers import MISSING_RULES
-from pipeline.student_side import AlignmentConfig
+from pipeline.student_side import AlignmentConfig, scored_folder_problems
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
@@ -169,15 +169,14 @@ def format_problems(formats) -> list[str]:
 
 
 def file_problems(folders, student: Mapping, embedded: bool) -> list[str]:
-    """Scored folders that do not exist, and a student model or tokenizer given as a local path that does not."""
-    found = [f"data.folders: scored dataset folder not found: {f} (score the corpus first: make score-teacher)"
-             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not sfs.is_dir(f)]
-    for key in ("model", "tokenizer"):
-        value = student.get(key)
-        if (isinstance(value, str) and value and not (embedded and key == "model") and looks_local(value)
-                and not os.path.exists(os.path.expanduser(value))):
-            found.append(f"student.{key}: no such local file or folder: {value}")
-    return found
+    """Scored folders that are missing or hold no dataset, and a student model or tokenizer given
+    as a local path that does not exist (or, for the model, holds none), each with its fix."""
+    found = scored_folder_problems(folders)
+    model = None if embedded else local_model_problem("student.model", student.get("model"))
+    tokenizer = student.get("tokenizer")
+    if isinstance(tokenizer, str) and tokenizer and looks_local(tokenizer) and not os.path.exists(os.path.expanduser(tokenizer)):
+        found.append(f"student.tokenizer: no such local file or folder: {tokenizer}")
+    return found + ([model] if model else [])
 
 
 def _absolute(job: ExportJobConfig, embedded: bool) -> ExportJobConfig:

@@ -18,31 +18,31 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
-from transformers import AutoConfig
 
-from pipeline.config import ConfigError, UserError
+from pipeline.config import UserError
 from pipeline.export_student.card import write_card
 from pipeline.export_student.config import ExportJobConfig
 from pipeline.export_student.formats import LITDATA_INDEX, LITDATA_SUFFIX, shard_parts, write_litdata_index
 from pipeline.export_student.rows import Row, RowSource, row_schema, rows_table
 from pipeline.export_folder import EXPORT_VERSION, EXPORT_VERSION_KEY
 from pipeline.folder_lock import exclusive_writer
+from pipeline.model_source import model_positions, refuse_seq_len
+from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version
 from pipeline.several_teachers import open_teachers, teacher_names
 from pipeline.shard_folder import (
     DatasetMismatchError,
     FolderKind,
     finished_shards,
-    folder_problem,
     manifest_of,
     prepare_folder,
+    refuse_mismatch,
     remove_unreferenced,
     write_marker,
     write_shard_files,
@@ -97,34 +97,23 @@ def load_student_tokenizer(job: ExportJobConfig):
     return tokenizer
 
 
-def student_positions(job: ExportJobConfig) -> int | None:
-    """The student's positions as its model config states them (None: no model given, or it does not say)."""
-    s = job.student
-    if not s.model:
-        return None
-    config = AutoConfig.from_pretrained(s.model, revision=s.revision, trust_remote_code=s.trust_remote_code)
-    return next((int(getattr(config, k)) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
-                 if getattr(config, k, None)), None)
-
-
 def check_seq_len(job: ExportJobConfig) -> None:
     """Packed rows feed ``seq_len`` positions to the student: no more than it has."""
-    if job.export.layout != "packed":
-        return
-    positions = student_positions(job)
-    if positions is not None and job.student.seq_len > positions:
-        raise ConfigError(f"student.seq_len: {job.student.seq_len} exceeds the {positions} positions of "
-                          f"{job.student.model}; set student.seq_len <= {positions}")
+    if job.export.layout == "packed":
+        s = job.student
+        refuse_seq_len(s.seq_len, s.model, model_positions(s.model, s.revision, s.trust_remote_code))
 
 
 def check_output_dir(job: ExportJobConfig) -> None:
-    """The export never goes into a scored folder (it would mix with the shards stage 2 reads)."""
-    out = job.output_dir.rstrip("/")
-    for folder in job.data.folders:
-        f = os.fspath(folder).rstrip("/")
-        if out == f or out.startswith(f + "/"):
-            raise DatasetMismatchError(f"output_dir {job.output_dir} is inside the scored folder {folder}; "
-                                       "write the export to a folder of its own")
+    """The export never goes into, over or around what it reads: a scored folder (it would mix
+    with the shards stage 2 reads), the student's model or tokenizer, whatever ``overwrite`` says."""
+    s = job.student
+    inputs = [*((f"data.folders[{i}]", f) for i, f in enumerate(job.data.folders)),
+              ("student.model", s.model), ("student.tokenizer", s.tokenizer)]
+    problem = overlap_problem(job.output_dir, inputs)
+    if problem:
+        raise DatasetMismatchError(f"{problem}; whatever overwrite says, write the export to a folder of its own "
+                                   "(output_dir=<a new folder>)")
 
 
 def prepare_data(job: ExportJobConfig, tokenizer) -> StudentData:
@@ -258,22 +247,25 @@ def _run_export(job: ExportJobConfig) -> ExportSummary:
     identity = export_identity(job, data, tokenizer, n_rows)
     location = {"scored_folders": [str(f) for f in job.data.folders], "student_model": job.student.model,
                 "student_tokenizer": job.student.tokenizer or job.student.model}
-    if sfs.is_remote(job.output_dir) or Path(job.output_dir).is_dir():  # before creating anything there
-        problem = folder_problem(job.output_dir, identity, EXPORT)
-        if problem and not job.overwrite:
-            raise DatasetMismatchError(f"{problem}\nChoose another output folder, or pass overwrite=true to {EXPORT.redo}.")
+    if (sfs.is_remote(job.output_dir) or Path(job.output_dir).is_dir()) and not has_aside(job.output_dir):
+        refuse_mismatch(job.output_dir, identity, EXPORT, job.overwrite)  # before creating anything there
     with exclusive_writer(job.output_dir, what="export"):
-        done = prepare_folder(job.output_dir, identity, job.overwrite, EXPORT)
+        done, aside = prepare_folder(job.output_dir, identity, job.overwrite, EXPORT)
         before = len(done)
         write_manifest(job.output_dir, identity, done, n_shards, location)
         pending = [i for i in range(n_shards) if i not in done][:job.export.limit_shards]
         cpu = time.process_time()
         try:
             written = _write_shards(job, source, pending, n_rows, identity, done, location, n_shards,
-                                    row_schema(len(identity["teachers"])))
+                                    row_schema(len(identity["teachers"])), on_first=aside.commit if aside else None)
         except BaseException:  # list what did finish (the markers stay the truth), then fail
-            write_manifest(job.output_dir, identity, finished_shards(job.output_dir), n_shards, location)
+            if aside is not None and aside.aside is not None:
+                aside.restore()  # no shard of the new export: the old one comes back whole
+            else:
+                write_manifest(job.output_dir, identity, finished_shards(job.output_dir), n_shards, location)
             raise
+        if aside is not None:
+            aside.commit()
         cpu = time.process_time() - cpu
         done = finished_shards(job.output_dir)
         remove_unreferenced(job.output_dir, done)
@@ -294,8 +286,10 @@ def _run_export(job: ExportJobConfig) -> ExportSummary:
 
 
 def _write_shards(job: ExportJobConfig, source: RowSource, pending: list[int], n_rows: int, identity: dict,
-                  done: dict, location: dict, n_shards: int, schema, manifest_every_s: float = 10.0) -> list[dict]:
-    """Write the pending shards in order, with a progress bar; the manifest is rewritten now and then."""
+                  done: dict, location: dict, n_shards: int, schema, manifest_every_s: float = 10.0,
+                  on_first=None) -> list[dict]:
+    """Write the pending shards in order, with a progress bar; the manifest is rewritten now and
+    then; ``on_first`` is called once the first shard is written."""
     rows = sum(len(shard_rows(i, job.export.rows_per_shard, n_rows)) for i in pending)
     bar = tqdm(total=rows, unit="row", desc="export", disable=not job.export.progress, dynamic_ncols=True)
     written: list[dict] = []
@@ -305,6 +299,8 @@ def _write_shards(job: ExportJobConfig, source: RowSource, pending: list[int], n
             entry = write_export_shard(job, source, index, n_rows, schema)
             done[index] = entry
             written.append(entry)
+            if on_first is not None and len(written) == 1:
+                on_first()
             bar.update(entry["rows"])
             tokens = sum(e["tokens"] for e in written)
             bar.set_postfix(shards=f"{len(done)}/{n_shards}", tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")

@@ -62,6 +62,7 @@ from pipeline.inspection.validate import validate_dataset
 from pipeline.inspection.vocab_overlap import load_vocabulary, vocab_overlap
 from pipeline.loss_histogram import DEFAULT_BIN_WIDTH
 from pipeline.model_source import check_tokenizer_source
+from pipeline.output_folder import overlap_problem
 from pipeline.tokenization import encode, load_tokenizer
 from storage_schemas import ContractError, filesystem, read_manifest, strict_json
 from storage_schemas import filesystem as sfs
@@ -261,6 +262,10 @@ class Context:
         self.path = _dataset_location(cfg.path, resolve) if cfg.path else None
         if cfg.out_dir:
             self.out_dir = Path(resolve(cfg.out_dir))
+            inputs = {"path": self.path, "other": cfg.other and _dataset_location(cfg.other, resolve),
+                      "teacher": cfg.teacher and resolve(cfg.teacher), "student": cfg.student and resolve(cfg.student)}
+            raise_if([p + "; write the reports to a folder of their own (or leave out_dir for <path>/inspect)"
+                      for p in [overlap_problem(self.out_dir, inputs, setting="out_dir", inside_ok=True)] if p])
         elif self.path is not None:
             self.out_dir = Path(resolve(str(default_out_dir(self.path))))
         else:

@@ -193,6 +193,11 @@ def _expand(pattern: str, corpus: str) -> list[str]:
             matches = [text] if filesystem.is_file(text) else []
     except (OSError, ValueError) as exc:
         raise CorpusError(f"corpus {corpus!r}: cannot list {pattern!r} ({_one_line(exc)})") from exc
+    if not matches and not magic and filesystem.is_dir(text):
+        kinds = sorted({k for name in _names_in(text) for suffix, k in KINDS.items() if name.endswith(suffix)})
+        raise CorpusError(f"corpus {corpus!r}: {pattern!r} is a folder; give its files: "
+                          + (" or ".join(repr(f"{text.rstrip('/')}/*{suffix}") for suffix, k in KINDS.items() if k in kinds)
+                             or f"'{text.rstrip('/')}/*.parquet' (it holds no .parquet or .jsonl file)"))
     if not matches:
         raise CorpusError(f"corpus {corpus!r}: no file matches {pattern!r}")
     return [m if filesystem.is_remote(m) else os.path.abspath(m) for m in matches]
@@ -211,6 +216,13 @@ def _describe_all(locations: list[tuple[str, str | None]], cfg: CorpusConfig) ->
     return sources
 
 
+def _names_in(folder: str) -> list[str]:
+    try:
+        return filesystem.list_names(folder)
+    except OSError:
+        return []
+
+
 def describe_file(location: str, text_column: str, sha256: str | None = None) -> SourceFile:
     """Row count, size and row groups of one file: a Parquet footer, or a JSONL file's lines."""
     name = file_name(location)
@@ -223,7 +235,8 @@ def describe_file(location: str, text_column: str, sha256: str | None = None) ->
             with fs.open_input_file(path) as f:
                 size = f.size()
                 meta = pq.ParquetFile(f).metadata
-                names = meta.schema.to_arrow_schema().names
+                arrow_schema = meta.schema.to_arrow_schema()
+                names = arrow_schema.names
         else:
             size, rows = _count_lines(fs, path)
     except Exception as exc:
@@ -232,7 +245,9 @@ def describe_file(location: str, text_column: str, sha256: str | None = None) ->
     if kind == "jsonl":
         return SourceFile(location, "jsonl", rows, name, bytes=size, sha256=sha256)
     if text_column not in names:
-        raise CorpusError(f"{location}: no column {text_column!r} (columns: {names})")
+        strings = [f.name for f in arrow_schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+        raise CorpusError(f"{location}: no column {text_column!r} (columns: {names}); name the column that holds "
+                          f"the text: data.text_column={strings[0] if len(strings) == 1 else '<column>'}")
     groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
     return SourceFile(location, "parquet", meta.num_rows, name, bytes=size, sha256=sha256, row_groups=groups)
 

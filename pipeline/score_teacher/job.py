@@ -41,6 +41,7 @@ from pipeline.config import (
 from pipeline.dataset_card import write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import looks_local
+from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version, is_local_model, model_identity
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
@@ -76,14 +77,14 @@ from pipeline.score_teacher.writer import (
     DatasetMismatchError,
     StorageConfig,
     finished_shards,
-    folder_problem,
     prepare_output,
+    refuse_mismatch,
     remove_unreferenced,
     write_manifest,
     write_shard,
 )
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
-from storage_schemas import IDENTITY_FORMAT, SKIP_REASONS
+from storage_schemas import IDENTITY_FORMAT, MANIFEST_NAME, SKIP_REASONS
 from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
@@ -445,24 +446,58 @@ def _shard_source(spec: ShardSpec) -> dict:
 def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
     t0 = time.perf_counter()
     prepared = prepare(cfg)
-    _refuse_mismatch_early(cfg, prepared)
-    with exclusive_writer(cfg.output_dir):
-        summary = _score(cfg, prepared, t0)
-        remove_unreferenced(cfg.output_dir, finished_shards(cfg.output_dir))  # object stores: losing attempts
-        return summary
+    _refuse_early(cfg, prepared)
+    created = _first_missing(cfg.output_dir)
+    try:
+        with exclusive_writer(cfg.output_dir):
+            summary = _score(cfg, prepared, t0)
+            remove_unreferenced(cfg.output_dir, finished_shards(cfg.output_dir))  # object stores: losing attempts
+            return summary
+    except BaseException:
+        _remove_empty_folders(cfg.output_dir, created)  # a failed start leaves no folder it made
+        raise
 
 
-def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
-    """Check an existing folder before creating anything in it (the check repeats under the lock)."""
-    if (sfs.is_remote(cfg.output_dir) or Path(cfg.output_dir).is_dir()) and not cfg.overwrite:
-        problem = folder_problem(cfg.output_dir, prepared.identity)
-        if problem:
-            raise DatasetMismatchError(problem + "\nChoose another output folder, or pass overwrite=true to rescore it.")
+def _refuse_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
+    """Check an existing folder before creating anything in it (the check repeats under the lock):
+    never a folder that is, holds or lies in an input (the teacher, the corpus files), whatever
+    ``overwrite`` says; never one of another kind; unless ``overwrite``, one of another identity."""
+    inputs = [("teacher.model", cfg.teacher.model), ("teacher.tokenizer", cfg.teacher.tokenizer),
+              ("data.hub_root", cfg.corpus.hub_root),
+              *(("the corpus file", f) for f in prepared.location.get("corpus_files", []))]
+    problem = overlap_problem(cfg.output_dir, inputs)
+    if problem:
+        raise DatasetMismatchError(f"{problem}; whatever overwrite says, a scored dataset goes to a folder of its own: "
+                                   "choose another output_dir")
+    if (sfs.is_remote(cfg.output_dir) or Path(cfg.output_dir).is_dir()) and not has_aside(cfg.output_dir):
+        refuse_mismatch(cfg.output_dir, prepared.identity, cfg.overwrite)
+
+
+def _first_missing(folder: str) -> Path | None:
+    """The outermost folder of ``folder``'s path that does not exist yet (None: it exists, or is remote)."""
+    if sfs.is_remote(folder):
+        return None
+    path, missing = Path(folder).absolute(), None
+    while not path.exists():
+        path, missing = path.parent, path
+    return missing
+
+
+def _remove_empty_folders(folder: str, created: Path | None) -> None:
+    """Remove ``folder`` and its parents up to ``created`` (the outermost one this run made) where empty."""
+    if created is None:
+        return
+    path = Path(folder).absolute()
+    while path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+        if path == created:
+            break
+        path = path.parent
 
 
 def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     version = code_version()
-    done, extra = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location)
+    done, extra, aside = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location)
     pending = [s for s in prepared.shards if s.index not in done]
     if cfg.limit_shards is not None:
         pending = pending[: cfg.limit_shards]
@@ -470,14 +505,20 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     run = PoolRun()
     if pending:
         try:
-            run = _run_pool(cfg, prepared, pending, version, done, extra)
+            run = _run_pool(cfg, prepared, pending, version, done, extra, on_first=aside.commit if aside else None)
         except ShardFailedError as exc:
-            _record_progress(cfg.output_dir, prepared, version, extra, exc.failed)
+            _record_progress(cfg.output_dir, prepared, version, extra, exc.failed, aside)
             raise
         except BaseException:
-            _record_progress(cfg.output_dir, prepared, version, extra, [])  # list what did finish, then fail
+            _record_progress(cfg.output_dir, prepared, version, extra, [], aside)  # list what did finish, then fail
             raise
     done = finished_shards(cfg.output_dir)
+    if aside is not None and not done:  # every shard failed (pool.on_bad_shard=skip): keep the old dataset
+        aside.restore()
+        raise ShardFailedError(f"{cfg.output_dir}: no shard could be scored; its previous dataset is put back",
+                               run.failed)
+    if aside is not None:
+        aside.commit()
     manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version,
                               failed=run.failed, **extra)
     write_card_or_warn(cfg.output_dir, manifest)  # README.md for people and the hub; never fails the run
@@ -500,16 +541,26 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     )
 
 
-def _record_progress(output_dir: str, prepared: Prepared, version: str, extra: dict, failed: list[dict]) -> None:
+def _record_progress(output_dir: str, prepared: Prepared, version: str, extra: dict, failed: list[dict],
+                     aside=None) -> None:
+    """After a failure: the manifest lists the shards that did finish. With none finished, what
+    ``overwrite`` set aside comes back, and a manifest that lists nothing is removed (a failed
+    start leaves nothing behind)."""
     try:
-        write_manifest(output_dir, prepared.identity, finished_shards(output_dir), len(prepared.shards), version,
-                       failed=failed, **extra)
+        done = finished_shards(output_dir)
+        if aside is not None and aside.aside is not None:
+            aside.restore()
+        elif not done and not failed:
+            if sfs.exists(sfs.child(output_dir, MANIFEST_NAME)):
+                sfs.delete(sfs.child(output_dir, MANIFEST_NAME))
+        else:
+            write_manifest(output_dir, prepared.identity, done, len(prepared.shards), version, failed=failed, **extra)
     except OSError as exc:  # e.g. the disk is full: the markers still hold the truth
         log.warning("could not update %s/manifest.json after the failure: %s", output_dir, exc)
 
 
 def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec], version: str, done: dict,
-              extra: dict) -> PoolRun:
+              extra: dict, on_first=None) -> PoolRun:
     """Score the pending shards on a pool of :class:`ShardScorer` actors (:mod:`pipeline.score_teacher.pool`):
     sized to the cluster's nodes, with the code shipped to them, after checking that every node sees
     the job's local paths; the manifest is rewritten from time to time as shards finish."""
@@ -554,6 +605,8 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
 
         def scored(entry: dict, run: PoolRun) -> None:
             done[entry["index"]] = entry
+            if on_first is not None and len(run.scored) == 1:
+                on_first()  # the first shard is finished: what overwrite set aside can go
             progress(run)
 
         try:

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import pipeline
 import storage_schemas
 from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
+from pipeline.output_folder import storage_error
 from pipeline.score_teacher.faults import FAULTS_ENV
 
 log = logging.getLogger(__name__)
@@ -605,6 +606,11 @@ def _shard_done(ref, running: dict, queue: deque, tries: dict, actors: ScorerPoo
                 actors.remove(actor)
         elif actor in actors.actors:
             actors.idle.append(actor)
+        storage = storage_error(exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc,
+                                f"shard {spec.index} could not be written")
+        if storage is not None:  # every shard writes to the same place: skipping or retrying would not help
+            run.failed.append({"index": spec.index, "error": str(storage), "attempts": tries[spec.index]})
+            raise storage from None
         n = tries[spec.index]
         if is_transient(exc) and n <= pool.shard_retries:
             log.warning("shard %d failed (try %d of %d), trying again: %s", spec.index, n,

@@ -8,12 +8,14 @@ folder of another identity) is shared with the export: :mod:`pipeline.shard_fold
 * ``manifest.json`` is written at the start of a run (identity, no shards yet or the shards already
   done) and rewritten from the markers as shards finish; readers use the shards it lists;
 * a folder scored with another identity (teacher, tokenizer, window, corpus, plan) is refused with
-  the list of differences, unless ``overwrite`` is set, which deletes its shards first. The identity
+  the list of differences, unless ``overwrite`` is set, which sets its shards aside and deletes them
+  once the new scoring has finished its first shard (:mod:`pipeline.output_folder`). The identity
   holds no paths (:mod:`storage_schemas.identity`), so a moved or copied folder is the same dataset.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -23,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import check_choice, refuse
+from pipeline.output_folder import SetAside
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from pipeline.shard_folder import (  # noqa: F401  (DatasetMismatchError, finished_shards, remove_unreferenced: stage 1's API)
     DatasetMismatchError,
@@ -34,7 +37,7 @@ from pipeline.shard_folder import (  # noqa: F401  (DatasetMismatchError, finish
     write_marker,
     write_shard_files,
 )
-from pipeline.shard_folder import folder_problem as kind_problem
+from pipeline.shard_folder import refuse_mismatch as refuse_kind_mismatch
 from storage_schemas import MANIFEST_NAME, ROW_SCHEMA, SCHEMA_VERSION, schema_with_metadata, write_json_atomic
 from storage_schemas import filesystem as sfs
 from storage_schemas.rows import list_array
@@ -176,22 +179,39 @@ def prepare_output(
     overwrite: bool,
     *,
     location: dict | None = None,
-) -> tuple[dict[int, dict], dict]:
-    """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries and
-    the manifest's extra fields (``location``) for every later :func:`write_manifest` of the run.
+) -> tuple[dict[int, dict], dict, SetAside | None]:
+    """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries,
+    the manifest's extra fields (``location``) for every later :func:`write_manifest` of the run,
+    and what ``overwrite`` set aside (commit it once a shard is finished; None: nothing).
 
     Refuses (``DatasetMismatchError``) a folder scored with another identity or holding shards
     without a manifest, unless ``overwrite`` (:func:`pipeline.shard_folder.prepare_folder`).
     """
     extra: dict = {"location": location}
-    done = prepare_folder(folder, identity, overwrite, SCORED)
+    done, aside = prepare_folder(folder, identity, overwrite, SCORED, hint=corpus_hint(folder, identity))
     write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"], **extra)
-    return done, extra
+    return done, extra, aside
 
 
-def folder_problem(folder, identity: dict) -> str | None:
-    """Why ``folder`` cannot take a scoring run with ``identity`` (None: it can)."""
-    return kind_problem(folder, identity, SCORED)
+def refuse_mismatch(folder, identity: dict, overwrite: bool = False) -> None:
+    """Refuse ``folder`` unless a scoring run with ``identity`` can write it: never one of another
+    kind or holding other files; unless ``overwrite``, one scored with another identity. The
+    advice says what ``overwrite=true`` deletes, and for another corpus names ``data.name=``."""
+    refuse_kind_mismatch(folder, identity, SCORED, overwrite, hint=corpus_hint(folder, identity))
+
+
+def corpus_hint(folder, identity: dict) -> str:
+    """For a folder that holds another corpus: give this one a name (and so a folder) of its own."""
+    path = sfs.child(folder, MANIFEST_NAME)
+    try:
+        old = json.loads(sfs.read_bytes(path)).get("identity", {}).get("corpus", {}) if sfs.exists(path) else {}
+    except (json.JSONDecodeError, AttributeError, OSError):
+        return ""
+    new = identity.get("corpus", {})
+    if not isinstance(old, dict) or not old or all(old.get(k) == new.get(k) for k in ("files_sha256", "source", "hub_id")):
+        return ""
+    return (f"That folder holds another corpus ({old.get('name')!r}): to score yours beside it, give it a name of its "
+            "own, data.name=<a name for your corpus> (its folder is named after it).")
 
 
 def write_manifest(

@@ -22,7 +22,8 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.config import MissingPathError, UserError
+from pipeline.config import MissingPathError, UserError, override
+from pipeline.output_folder import SetAside, recover, set_aside
 from storage_schemas import iter_identity_differences, write_json_atomic
 from storage_schemas.reader import data_identity_differences
 
@@ -33,6 +34,17 @@ FINAL_NAME = "final"
 METRICS_NAME = "metrics.jsonl"
 DATA_IDENTITY_NAME = "data_identity.json"
 COMPLETE_NAME = "checkpoint_complete.json"
+SUMMARY_NAME = "summary.json"
+TENSORBOARD_NAME = "runs"
+# What overwrite=true replaces, said in every message that suggests it (the folder's other files stay).
+OVERWRITE_DELETES = ("overwrite=true starts this run afresh: it deletes this run's checkpoints, final/, metrics.jsonl, "
+                     "summary.json and TensorBoard logs (runs/), once the new run has saved its first checkpoint")
+
+
+def is_run_entry(path: Path) -> bool:
+    """An entry of a run folder that belongs to the run (what ``overwrite=true`` replaces)."""
+    return (path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, f".{FINAL_NAME}.tmp", TENSORBOARD_NAME,
+                                                                   RUN_NAME, METRICS_NAME, SUMMARY_NAME))
 
 
 class RunMismatchError(UserError, RuntimeError):
@@ -101,7 +113,8 @@ def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: di
     if resume == "never":
         if latest:
             raise RunMismatchError(f"{out} already holds checkpoints ({Path(latest).name}); resume=never refuses "
-                                   "to train over them. Use resume=auto, another run name, or overwrite=true.")
+                                   f"to train over them. Use resume=auto, another run name (run_name=<a new name>), "
+                                   f"or {OVERWRITE_DELETES}.")
         return None
     checkpoint = latest if resume == "auto" else resume
     if checkpoint is None:
@@ -114,15 +127,25 @@ def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: di
     problems = _resume_differences(recipe, identity, Path(checkpoint), student)
     if problems:
         budget_only = all(p.startswith(("recipe train.max_steps:", "recipe train.max_tokens:")) for p in problems)
-        way_on = (
-            f"\nTo train further, start a new run from this one's model: student.model={Path(checkpoint).parent / 'final'}"
-            " student.embedded=false output_dir=<a new folder> (the learning-rate schedule starts again; "
-            "docs/configuration.md, \"Resuming, and training longer\")." if budget_only else "")
         raise RunMismatchError(
-            f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems) + way_on
-            + "\nUse another run name, or overwrite=true to start this run afresh."
+            f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems) + "\n"
+            + "\n".join(ways_on(Path(checkpoint), budget_only))
         )
     return str(checkpoint)
+
+
+def ways_on(checkpoint: Path, longer: bool) -> list[str]:
+    """What a refused resume can do instead, one line each: with ``longer`` (only the length
+    changed), a new run from this one's final model first; then another run name, or
+    ``overwrite=true`` with what it deletes."""
+    ways = []
+    if longer:
+        ways.append(f"To train further, start a new run from this one's model: "
+                    f"{override('student.model', checkpoint.parent / FINAL_NAME)}"
+                    " student.embedded=false run_name=<a new name> (or output_dir=<a new folder>; the learning-rate "
+                    "schedule starts again; docs/configuration.md, \"Resuming, and training longer\").")
+    ways.append(f"Or use another run name (run_name=<a new name>); or {OVERWRITE_DELETES}.")
+    return ways
 
 
 def _resume_differences(recipe: dict, identity: dict, checkpoint: Path, student: dict | None) -> list[str]:
@@ -152,24 +175,27 @@ def _without_student_paths(recipe: dict) -> dict:
 # ---- preparing the folder and the final model ------------------------------------------------
 
 
+def recover_run_folder(output_dir: str) -> None:
+    """Put back a run that an ``overwrite=true`` killed before its first checkpoint had set aside
+    (:func:`pipeline.output_folder.recover`; main process only, holding the folder's lock)."""
+    recover(output_dir, is_run_entry)
+
+
 def prepare_run_folder(output_dir: str, overwrite: bool, checkpoint: str | None, recipe: dict,
-                       student: dict | None = None) -> None:
-    """Create the folder, clear it when ``overwrite``, delete incomplete checkpoints (left by a
-    process killed while saving) and record the recipe and the student's identity (main process
-    only)."""
+                       student: dict | None = None) -> SetAside:
+    """Create the folder, delete incomplete checkpoints (left by a process killed while saving)
+    and record the recipe and the student's identity (main process only). With ``overwrite`` the
+    run's entries (:func:`is_run_entry`) are first set aside, not deleted: the caller commits
+    (deletes them) once the new run has saved a checkpoint, or restores them if it fails before."""
     out = Path(output_dir)
+    aside = set_aside(out, is_run_entry) if overwrite else SetAside(out, is_run_entry)
     for path in checkpoint_folders(out)[1] if out.is_dir() else []:
         log.warning("deleting incomplete checkpoint %s", path)
         shutil.rmtree(path)
-    if overwrite and out.is_dir():
-        for path in out.iterdir():
-            if path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, "runs"):
-                shutil.rmtree(path)
-            elif path.name in (RUN_NAME, METRICS_NAME, "summary.json"):
-                path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     if checkpoint is None or not (out / RUN_NAME).is_file():
         write_json_atomic(out / RUN_NAME, {"recipe": recipe, "student": student, "output_dir": str(out)})
+    return aside
 
 
 def save_final(trainer, output_dir: str, identity: dict, dtype) -> Path:

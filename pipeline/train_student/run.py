@@ -41,22 +41,26 @@ from pipeline.config import (
 )
 from pipeline.folder_lock import exclusive_writer
 from pipeline.guided_loss import SelectionConfig
-from pipeline.model_source import looks_local
+from pipeline.model_source import local_model_problem, model_positions, refuse_seq_len
 from pipeline.provenance import model_identity
 from pipeline.several_teachers import MISSING_RULES, open_teachers
 from pipeline.student_side import (
     AlignmentConfig,
+    scored_folder_problems,
     PackingConfig,
     StudentData,
     build_student_data,
     collate_packed,
 )
 from pipeline.tokenization import fingerprint, load_tokenizer
+from pipeline.output_folder import SetAside, overlap_problem
 from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchError: the run's refusal)
     METRICS_NAME,
     RunMismatchError,
     checkpoint_step,
+    is_run_entry,
     prepare_run_folder,
+    recover_run_folder,
     read_guard_state,
     resolve_checkpoint,
     save_final,
@@ -254,7 +258,21 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
         batch_geometry(job, world_size)
     except ValueError as exc:
         p.append(str(exc))
-    return p
+    overlap = run_folder_problem(job)
+    return p + ([overlap] if overlap else [])
+
+
+def run_folder_problem(job: TrainJobConfig) -> str | None:
+    """The run folder may not be, hold or lie inside what the run reads (the student, its
+    tokenizer, a scored folder, and with ``overwrite`` the checkpoint ``train.resume`` names),
+    whatever ``overwrite`` says (:func:`pipeline.output_folder.overlap_problem`)."""
+    inputs = {"student.model": job.student.model, "student.tokenizer": job.student.tokenizer,
+              **{f"data.folders[{i}]": f for i, f in enumerate(job.data.folders)}}
+    if job.overwrite and job.train.resume not in ("auto", "never"):
+        inputs["train.resume"] = job.train.resume  # overwrite=true would set it aside before resuming from it
+    problem = overlap_problem(job.output_dir, inputs)
+    return problem and (f"{problem}, so the run may not write there, whatever overwrite says: train into a folder "
+                        "of its own, run_name=<a new name> (or output_dir=<a new folder>)")
 
 
 # The job's configuration as a config file writes it (conf/train_student.yaml). The ``loss`` group
@@ -307,6 +325,8 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
         folders = None if data_values.get("mixture") else data_values.get("folders")  # a mixture does not read them
         problems += file_problems(folders, student_values.get("model"), embedded_student=bool(student_values.get("embedded")))
         problems += source_file_problems(data_values)
+        overlap = run_folder_problem(job) if job is not None else None
+        problems += [overlap] if overlap else []
     raise_if(problems)
     embedded = bool(student_values.get("embedded"))
     model = job.student.model
@@ -326,14 +346,11 @@ def _absolute(paths: list[str]) -> list[str]:
 
 
 def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
-    """Scored folders that do not exist, and a student given as a local path that does not."""
-    found = [f"data.folders: scored dataset folder not found: {f} (score the corpus first: make "
-             "score-teacher with the same teacher and data, or point data.folders at a scored dataset)"
-             for f in (folders if isinstance(folders, list) else []) if isinstance(f, str) and not sfs.is_dir(f)]
-    if (isinstance(model, str) and model and not embedded_student and looks_local(model)
-            and not os.path.exists(os.path.expanduser(model))):
-        found.append(f"student.model: no such local folder: {model}")
-    return found
+    """Scored folders that are missing or hold no dataset, and a student given as a local path
+    that does not exist or holds no model (each with its fix)."""
+    found = scored_folder_problems(folders)
+    problem = None if embedded_student else local_model_problem("student.model", model)
+    return found + ([problem] if problem else [])
 
 
 def source_file_problems(data_values: Mapping) -> list[str]:
@@ -417,6 +434,8 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
     problems = validate(job, world_size)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    s = job.student  # the sequence against the student's positions first: every later count depends on it
+    refuse_seq_len(s.seq_len, s.model, model_positions(s.model, s.revision, s.trust_remote_code))
     accumulation, tokens_per_step = batch_geometry(job, world_size)
     args = _training_arguments(job, accumulation, max_steps=1)  # max_steps is set once the data is known
 
@@ -434,25 +453,35 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
 
     if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
         lock.enter_context(exclusive_writer(job.output_dir, what="training run"))
+    with args.main_process_first(local=False, desc="run folder recovery"):
+        if args.process_index == 0:
+            recover_run_folder(job.output_dir)
     checkpoint = resolve_checkpoint(job.output_dir, job.train.resume, job.overwrite, job.recipe(), identity, student)
+    aside = SetAside(Path(job.output_dir), is_run_entry)  # what overwrite=true set aside (rank 0)
     with args.main_process_first(local=False, desc="run folder"):
         if args.process_index == 0:
-            prepare_run_folder(job.output_dir, job.overwrite, checkpoint, job.recipe(), student)
+            aside = prepare_run_folder(job.output_dir, job.overwrite, checkpoint, job.recipe(), student)
 
-    trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks)
-    final = save_final(trainer, job.output_dir, identity, final_dtype(job.train))
+    try:
+        trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks,
+                                         on_checkpoint=aside.commit)
+        final = save_final(trainer, job.output_dir, identity, final_dtype(job.train))
+    except BaseException:
+        aside.restore()  # nothing saved yet: the old run comes back whole (a no-op once committed)
+        raise
+    aside.commit()
     return _summary(job, trainer, data, checkpoint, start_step, tokens_per_step, final, time.perf_counter() - t0)
 
 
 def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, data: StudentData, identity: dict,
-               callbacks: list | None):
+               callbacks: list | None, on_checkpoint=None):
     """Load the student and train it from ``checkpoint`` (or from scratch) to ``args.max_steps``.
 
     A checkpoint already at ``max_steps`` is a finished run: its weights are loaded and nothing is
     trained (the HF Trainer would otherwise train one step past the end). The count of skipped
     non-finite steps continues from the checkpoint's; a run stopped by too many of them in a row
-    raises :class:`NonFiniteLossError` (after its checkpoint is saved). Returns the trainer and the
-    step it started from.
+    raises :class:`NonFiniteLossError` (after its checkpoint is saved). ``on_checkpoint`` is called
+    once each checkpoint is complete. Returns the trainer and the step it started from.
     """
 
     start_step = checkpoint_step(checkpoint)
@@ -460,7 +489,8 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     student = replace(job.student, model=checkpoint, revision=None) if finished else job.student
     guard = NonFiniteGuard(max_in_a_row=job.train.max_nonfinite_in_a_row)
     guard.restore(read_guard_state(checkpoint))
-    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks)
+    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks,
+                       on_checkpoint)
     if finished:
         log.info("%s is at step %d of %d: nothing to train", checkpoint, start_step, args.max_steps)
         trainer.state.log_history = trainer_state(checkpoint).get("log_history", [])
@@ -728,14 +758,15 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
     )
 
 
-def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks):
+def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks, on_checkpoint=None):
     return GuidedTrainer(
         model=model,
         args=args,
         train_dataset=data.dataset,
         data_collator=collate_packed,
         processing_class=tokenizer,
-        callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), CheckpointRecordCallback(identity, guard),
+        callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME),
+                   CheckpointRecordCallback(identity, guard, on_checkpoint),
                    *tracker_callbacks(job.train.report_to), *(callbacks or [])],
         selection=job.selection,
         seed=job.train.seed,

@@ -42,6 +42,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -395,9 +396,10 @@ class CheckpointRecordCallback(TrainerCallback):
     (``data_identity.json``), then ``checkpoint_complete.json`` (the step and the
     :class:`NonFiniteGuard` state), written last (after all processes finished their files)."""
 
-    def __init__(self, identity: dict, guard: NonFiniteGuard):
+    def __init__(self, identity: dict, guard: NonFiniteGuard, on_complete: Callable[[], None] | None = None):
         self.identity = identity
         self.guard = guard
+        self.on_complete = on_complete  # called once a checkpoint is complete (rank 0)
 
     def on_save(self, args, state, control, **kwargs):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -406,3 +408,5 @@ class CheckpointRecordCallback(TrainerCallback):
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if folder.is_dir():
                 mark_complete(folder, self.identity, state.global_step, self.guard.state())
+                if self.on_complete is not None:
+                    self.on_complete()

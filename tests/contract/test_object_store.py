@@ -116,7 +116,7 @@ def test_unmarked_objects_and_stale_markers_are_never_listed_and_are_removed_by_
     stale = {**good, "index": 2, "file": "shard-000002.0123456789ab.parquet"}  # names an object that is not there
     sfs.write_bytes(sfs.child(folder, marker_of(stale["file"])), json.dumps(stale).encode())
 
-    done, _ = prepare_output(folder, IDENTITY, overwrite=False)
+    done, _, _ = prepare_output(folder, IDENTITY, overwrite=False)
     assert done == {0: good}
     assert [e["file"] for e in read_manifest(folder)["shards"]] == [good["file"]]
     assert set(_objects(folder)) == {good["file"], marker_of(good["file"]), "manifest.json"}

@@ -4,6 +4,7 @@ something else, is refused before anything there changes."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import shutil
 from dataclasses import replace
@@ -92,7 +93,7 @@ def test_a_folder_holding_a_scored_dataset_or_inside_one_is_refused(tiny_student
     with pytest.raises(DatasetMismatchError, match="another kind of output"):
         run_export(make_export(tiny_student, micro_scored, scored_copy, overwrite=False))
     assert files(scored_copy) == before and not (scored_copy / "index.json").exists()
-    with pytest.raises(DatasetMismatchError, match="inside the scored folder"):
+    with pytest.raises(DatasetMismatchError, match="lies inside data.folders"):
         run_export(make_export(tiny_student, micro_scored, Path(micro_scored) / "export"))
     assert not (Path(micro_scored) / "export").exists()
 
@@ -106,3 +107,31 @@ def test_a_damaged_part_of_a_marked_shard_is_redone(whole, tiny_student, micro_s
     victim.write_bytes(victim.read_bytes()[:-8])
     again = run_export(make_export(tiny_student, micro_scored, out, formats=["parquet", "megatron"]))
     assert again.shards_written == 1 and files(out) == files(whole)
+
+
+def everything(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def test_overwrite_gives_the_old_export_back_when_the_new_one_fails_before_its_first_shard(
+        whole, tiny_student, micro_scored, tmp_path, monkeypatch):
+    out = tmp_path / "export"
+    shutil.copytree(whole, out)
+    before = everything(out)
+
+    def disk_fails(*args, **kwargs):  # a disk failing mid-write, which cannot be made to happen on demand here
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(export_job, "write_export_shard", disk_fails)
+    with pytest.raises(OSError, match="Input/output error"):
+        run_export(make_export(tiny_student, micro_scored, out, loss={"aggregate": "mean"}, overwrite=True))
+    assert everything(out) == before, "every shard, part, marker, the manifest and the card are back"
+
+
+def test_an_export_into_the_students_folder_is_refused_whatever_overwrite_says(tiny_student, micro_scored, tmp_path):
+    student = shutil.copytree(tiny_student, tmp_path / "student")
+    before = everything(student)
+    with pytest.raises(DatasetMismatchError, match=r"output_dir .*student is student.model .*whatever overwrite says"):
+        run_export(make_export(student, micro_scored, student, overwrite=True))
+    assert everything(student) == before

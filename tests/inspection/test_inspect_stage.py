@@ -131,3 +131,13 @@ def test_terminal_output_never_reads_data_as_markup():
     console.print(document_text(record, scale))
     out = console.export_text()
     assert "'[/math] '" in out and "[/doc]" in out and text in out
+
+
+def test_an_out_dir_that_is_or_holds_a_dataset_is_refused(tmp_path):
+    dataset = tmp_path / "scored" / "v1"
+    dataset.mkdir(parents=True)
+    (dataset / "manifest.json").write_text("{}")  # a stand-in: the refusal comes before anything is read
+    for out, how in ((dataset, "is path"), (tmp_path / "scored", "holds path")):
+        with pytest.raises(ConfigError, match=f"out_dir {out} {how} "):
+            run_command(f"path={dataset}", f"out_dir={out}")
+    assert sorted(p.name for p in dataset.iterdir()) == ["manifest.json"]

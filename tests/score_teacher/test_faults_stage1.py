@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.output_folder import StorageError
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig
@@ -196,7 +197,7 @@ def tiny_filesystem(tmp_path):
 
 def test_disk_full_is_a_clear_error_and_no_shard_looks_complete(micro_teacher, micro_corpus, ray_local, tiny_filesystem):
     out = tiny_filesystem(300) / "ds"
-    with pytest.raises(RuntimeError, match="No space left on device"):
+    with pytest.raises(StorageError, match=r"shard \d+ could not be written: No space left on device.*free space there"):
         run_score_job(_config(micro_teacher, micro_corpus, out))
     markers = {p.name.split(".")[0] for p in out.glob("shard-*.done.json")}
     shards = {p.name.split(".")[0] for p in out.glob("shard-*.parquet")}

@@ -88,7 +88,7 @@ def test_missing_local_folder_and_invalid_ids_are_one_line_errors(micro_teacher,
     with pytest.raises(TeacherSourceError, match=r"^teacher.tokenizer: no such local file or folder: \./nope$"):
         check_teacher_source(teacher(micro_teacher, tokenizer="./nope"))
     with pytest.raises(TeacherSourceError, match="neither a local folder nor a valid hub id"):
-        check_teacher_source(teacher("not//a valid id"))
+        check_teacher_source(teacher("not a/valid id"))  # one slash: read as a hub id (two would be a path)
 
 
 def test_a_cached_hub_teacher_passes_offline(micro_teacher, tmp_path, monkeypatch):

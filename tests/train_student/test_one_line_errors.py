@@ -1,0 +1,86 @@
+"""Mistakes with paths and lengths end in one line naming the setting, the problem and the fix,
+exit status 2, before any data is read (through train-student's real command line, and its and
+export-student's configuration checks; the scored folders here are stand-ins, read only once the
+configuration is valid)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError
+from pipeline.export_student.config import export_job_config
+from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training, train_job_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(stage: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"stages.{stage}", f"hydra.run.dir={tmp_path / 'logs'}",
+                           f"artifacts_dir={tmp_path / 'artifacts'}", f"output_dir={tmp_path / 'out'}", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"})
+
+
+def refused(result, *words: str) -> str:
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.startswith("error: "), result.stderr[-3000:]
+    assert all(w in result.stderr for w in words), (words, result.stderr)
+    return result.stderr
+
+
+def stand_in_scored(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    return folder
+
+
+def test_a_run_folder_for_the_embedded_student_and_a_corpus_folder_without_v1(tiny_student, tmp_path):
+    run = tmp_path / "students" / "run"
+    shutil.copytree(tiny_student, run / "final")
+    scored = stand_in_scored(tmp_path / "scored" / "owm-sample" / "tiny" / "v1")
+    result = cli("train_student", tmp_path, f"student.model={run}", f"data.folders=[{scored.parents[1]}]")
+    refused(result, "invalid configuration (2 problems)",
+            f"student.model: {run} is not the embedded tiny student", "add student.embedded=false",
+            f"data.folders: {scored.parents[1]} holds no scored dataset (no manifest.json); the dataset(s) inside it: "
+            f"{scored}; e.g. data.folders=[{scored}]")
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_run_folder_a_missing_relative_path_and_a_scored_folder_given_as_the_model(tiny_student, tmp_path):
+    run = tmp_path / "students" / "run"
+    shutil.copytree(tiny_student, run / "final")
+    scored = stand_in_scored(tmp_path / "scored")
+    line = refused(cli("train_student", tmp_path, "student.embedded=false", f"student.model={run}",
+                       f"data.folders=[{scored}]"),
+                   f"error: student.model: {run} is a train-student run folder, not a model; its final model is "
+                   f"student.model={run / 'final'}\n")
+    assert line.count("\n") == 1 and not (tmp_path / "out").exists()
+    # the same configuration checks as the command lines run them (their one-line path is the one above)
+    values = {"student": {"name": "t", "model": "outputs/students/x/run/finall"}, "data": {"folders": [str(scored)]},
+              "output_dir": str(tmp_path / "out")}
+    with pytest.raises(ConfigError, match="^student.model: no such local file or folder: outputs/students/x/run/finall$"):
+        train_job_config({**values, "train": {}, "loss": {}}, check_files=True)
+    with pytest.raises(ConfigError, match=f"^student.model: {scored} is a scored dataset or an export "
+                                          r"\(it holds a manifest.json\), not a model$"):
+        export_job_config({**values, "student": {"name": "t", "model": str(scored)}, "export": {}, "loss": {}},
+                          check_files=True)
+
+
+def test_a_sequence_longer_than_the_students_positions_is_the_first_error(tiny_student, tmp_path):
+    """Before the data is opened or counted: the step and token checks would otherwise refuse first
+    (the stand-in scored folder is not even a dataset)."""
+    scored = stand_in_scored(tmp_path / "scored")
+    job = TrainJobConfig(student=StudentConfig(name="t", model=str(tiny_student), seq_len=100000),
+                         data=DataConfig(folders=[str(scored)]), train=TrainConfig(max_steps=20, use_cpu=True),
+                         output_dir=str(tmp_path / "out"))
+    with pytest.raises(ConfigError) as refusal:
+        run_training(job)
+    assert str(refusal.value) == (f"student.seq_len: 100000 exceeds the 64 positions of {tiny_student}; "
+                                  "set student.seq_len <= 64")
+    assert not (tmp_path / "out").exists()
