@@ -264,10 +264,16 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
 
 def run_folder_problem(job: TrainJobConfig) -> str | None:
     """The run folder may not be, hold or lie inside what the run reads (the student, its
-    tokenizer, a scored folder, and with ``overwrite`` the checkpoint ``train.resume`` names),
+    tokenizer, a scored folder, an export, a mixture's corpora, and with ``overwrite`` the checkpoint ``train.resume`` names),
     whatever ``overwrite`` says (:func:`pipeline.output_folder.overlap_problem`)."""
     inputs = {"student.model": job.student.model, "student.tokenizer": job.student.tokenizer,
               **{f"data.folders[{i}]": f for i, f in enumerate(job.data.folders)}}
+    if job.data.export:
+        inputs["data.export"] = job.data.export
+    for i, corpus in enumerate(job.data.mixture or []):
+        inputs.update({f"data.mixture[{i}].folders[{j}]": f for j, f in enumerate(corpus.folders)})
+        if corpus.export:
+            inputs[f"data.mixture[{i}].export"] = corpus.export
     if job.overwrite and job.train.resume not in ("auto", "never"):
         inputs["train.resume"] = job.train.resume  # overwrite=true would set it aside before resuming from it
     problem = overlap_problem(job.output_dir, inputs)

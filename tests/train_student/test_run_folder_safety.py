@@ -72,6 +72,23 @@ def test_overwrite_cannot_set_aside_the_checkpoint_it_resumes_from(tiny_student,
         train_job_config({**values, "overwrite": True}, check_files=True)
 
 
+def test_a_run_folder_inside_an_export_or_a_mixture_corpus_is_refused(tiny_student, tmp_path):
+    """The run's other inputs count too: the export it trains from and each mixture corpus."""
+    for name in ("export", "web", "math"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+    base = {"student": {"name": "t", "model": str(tiny_student)}, "train": {}, "loss": {}}
+    export = {**base, "data": {"folders": [], "export": str(tmp_path / "export")},
+              "output_dir": str(tmp_path / "export" / "run")}
+    with pytest.raises(ConfigError, match=r"lies inside data.export"):
+        train_job_config(export, check_files=True)
+    mixture = {**base, "data": {"folders": [], "mixture": [{"name": "web", "weight": 1.0, "folders": [str(tmp_path / "web")]},
+                                            {"name": "math", "weight": 1.0, "folders": [str(tmp_path / "math")]}]},
+               "output_dir": str(tmp_path / "math")}
+    with pytest.raises(ConfigError, match=r"data.mixture\[1\].folders\[0\]"):
+        train_job_config(mixture, check_files=True)
+
+
 class Watch(TrainerCallback):
     """Records, at each optimizer step and save, whether the old run is still set aside; fails at
     ``fail_at`` (a crash after every check and load has passed)."""
