@@ -28,7 +28,7 @@ from pipeline.score_teacher.job import (
     run_score_job,
     score_job_config,
 )
-from stages.common import ConfigError, entry_point, plain, python_command, quiet_libraries, show_summary
+from stages.common import ConfigError, entry_point, plain, python_command, quiet_libraries, show_summary, store_row
 from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas.filesystem import join
 
@@ -71,6 +71,7 @@ def print_summary(s: JobSummary, console: Console | None = None) -> None:
     notes = {k: v for k, v in s.reasons.items() if k not in SKIP_REASONS + ZERO_TOKEN_REASONS}
     if notes:
         rows.append(("scored, noted", ", ".join(f"{k}: {v}" for k, v in notes.items())))
+    rows += store_row(s.store_calls)
     if s.failed:
         rows.append(("failed, skipped", "; ".join(f"shard {f['index']} after {f['attempts']} tries: {f['error']}"
                                                   for f in s.failed) + " (rerun the same command to score them)"))

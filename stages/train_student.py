@@ -28,7 +28,7 @@ from pipeline.train_student.run import (
     run_training,
     train_job_config,
 )
-from stages.common import ConfigError, entry_point, plain, quiet_libraries, show_summary
+from stages.common import ConfigError, entry_point, plain, quiet_libraries, show_summary, store_row
 from storage_schemas import write_json_atomic
 
 log = logging.getLogger("train_student")
@@ -70,6 +70,7 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
         ("non-finite", f"{len(s.nonfinite_steps)} step(s) skipped: " + ", ".join(map(str, s.nonfinite_steps[:20]))
          + (" ..." if len(s.nonfinite_steps) > 20 else "") if s.nonfinite_steps else "no step skipped"),
     ]
+    rows += store_row(s.store_calls)
     if last:
         rows.append(("last log", ", ".join(f"{k} {last[k]:.4g}" for k in (
             "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "excess_loss", "learning_rate") if k in last)))

@@ -15,6 +15,7 @@ manifest's ``location`` and never compared, so a moved or copied project resumes
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -85,6 +86,7 @@ from pipeline.score_teacher.writer import (
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT, SKIP_REASONS
 from storage_schemas import filesystem as sfs
+from storage_schemas import store_calls
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +234,7 @@ class JobSummary:
     complete: bool
     failed: list[dict] = field(default_factory=list)  # shards given up in this run (pool.on_bad_shard=skip)
     actors: list[dict] = field(default_factory=list)  # where the scorer actors ran (ShardScorer.describe)
+    store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries, all processes
 
     @property
     def tokens_per_s(self) -> float:
@@ -396,6 +399,7 @@ class ShardScorer:
             scored_by={**self.node, "attempt": attempt, "engine": self.engine},
         )
         entry["seconds"] = time.perf_counter() - t0
+        entry["store_calls"] = store_calls.take()  # this actor's object-store requests since its last shard
         return entry
 
     def describe(self) -> dict:
@@ -497,6 +501,8 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
         complete=manifest["complete"],
         failed=run.failed,
         actors=run.actors,
+        store_calls=functools.reduce(store_calls.add, (e.get("store_calls", {}) for e in run.scored),
+                                     store_calls.snapshot()),
     )
 
 
@@ -553,7 +559,7 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
                 last_manifest[0] = time.monotonic()
 
         def scored(entry: dict, run: PoolRun) -> None:
-            done[entry["index"]] = entry
+            done[entry["index"]] = {k: v for k, v in entry.items() if k != "store_calls"}  # the run's, not the shard's
             progress(run)
 
         try:

@@ -71,6 +71,7 @@ from pipeline.train_student.trainer import (
     NonFiniteLossError,
 )
 from storage_schemas import filesystem as sfs
+from storage_schemas import store_calls
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY, ScoredDataset, ScoredFolder
 
 log = logging.getLogger(__name__)
@@ -337,6 +338,7 @@ class TrainSummary:
     data: dict  # plan summary, shards used/skipped, alignment
     last_log: dict
     nonfinite_steps: list[int] = field(default_factory=list)  # optimizer steps skipped (whole run)
+    store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries (store_calls)
 
     @property
     def tokens_per_s(self) -> float:
@@ -423,6 +425,7 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
         data=data.summary(),
         last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
         nonfinite_steps=list(trainer.guard.skipped),
+        store_calls=store_calls.snapshot(),  # this process and its data-loader workers
     )
 
 
