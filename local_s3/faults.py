@@ -4,8 +4,10 @@ seeded generator, whether it is
 
 - throttled: answered ``503 SlowDown`` with S3's XML error body (no body for a HEAD), and never
   forwarded, as S3 does when it sheds load;
-- dropped: forwarded, then its connection reset halfway through the answer's body (an answer
-  without a body is dropped before its first byte, after the server did the work);
+- dropped: forwarded, then its connection reset halfway through the answer's body (a drop drawn
+  for an answer without a body, such as a HEAD's or an upload's, falls on the next answer that has
+  one: with nothing of an answer read, curl inside the AWS SDK would send the request again by
+  itself, unseen by the SDK's retries);
 - delayed: its answer held back for some seconds.
 
 While :meth:`FaultyS3.down` is on, every request is throttled (a store that stays down). The proxy
@@ -54,6 +56,7 @@ class FaultyS3:
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
         self._down = False
+        self._resets_due = 0  # drops drawn for answers without a body, for the next answers with one
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._server.daemon_threads = True
         self._server.proxy = self
@@ -78,22 +81,33 @@ class FaultyS3:
         self._server.server_close()
 
     def _draw(self) -> str:
-        """What happens to the next request: ``down``, ``slowdown``, ``reset``, ``delayed`` or ``""``,
-        counted."""
+        """What happens to the next request: ``down``, ``slowdown``, ``reset``, ``delayed`` or ``""``
+        (the k-th request gets the k-th draw)."""
         with self._lock:
             self._counts["requests"] += 1
             fault, late = self._rng.random(), self._rng.random()
             if self._down:
-                kind = "down"
-            elif fault < self.faults.slowdown:
-                kind = "slowdown"
-            elif fault < self.faults.slowdown + self.faults.reset:
-                kind = "reset"
-            else:
-                kind = "delayed" if late < self.faults.delay else ""
-            if kind:
-                self._counts[kind] += 1
-            return kind
+                return "down"
+            if fault < self.faults.slowdown:
+                return "slowdown"
+            if fault < self.faults.slowdown + self.faults.reset:
+                return "reset"
+            return "delayed" if late < self.faults.delay else ""
+
+    def _done(self, kind: str) -> None:
+        with self._lock:
+            self._counts[kind] += 1
+
+    def _reset_now(self, kind: str, has_body: bool) -> bool:
+        """Whether to drop this answer: its own draw, or one drawn earlier for an answer without a body."""
+        with self._lock:
+            if kind == "reset" and not has_body:
+                self._resets_due += 1
+            elif has_body and (kind == "reset" or (not kind and self._resets_due)):
+                self._resets_due -= kind != "reset"
+                self._counts["reset"] += 1
+                return True
+            return False
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -138,6 +152,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = self._request_body()
         kind = proxy._draw()
         if kind in ("slowdown", "down"):
+            proxy._done(kind)
             return self._slow_down()
         status, reason, headers, data = self._forward(body, proxy.upstream)
         head = [f"HTTP/1.1 {status} {reason}\r\n".encode("latin-1")]
@@ -147,9 +162,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             head.append(f"Content-Length: {len(data)}\r\n".encode())
         answer = b"".join(head) + b"\r\n"
         if kind == "delayed":
+            proxy._done(kind)
             time.sleep(proxy.faults.delay_s)
-        if kind == "reset":
-            return self._reset(answer + data[: len(data) // 2] if data and self.command != "HEAD" else b"")
+        if proxy._reset_now(kind, bool(data) and self.command != "HEAD"):
+            return self._reset(answer + data[: len(data) // 2])
         self.wfile.write(answer + (b"" if self.command == "HEAD" else data))
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _serve
@@ -178,10 +194,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _reset(self, partial: bytes) -> None:
         """Send ``partial``, then reset the connection (RST, not an orderly close)."""
-        if partial:
-            self.wfile.write(partial)
-            self.wfile.flush()
-            time.sleep(0.05)  # let the client take the part: a reset discards what it has not read yet
+        self.wfile.write(partial)
+        self.wfile.flush()
+        time.sleep(0.05)  # let the client take the part: a reset discards what it has not read yet
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.close_connection = True
         self.connection.close()

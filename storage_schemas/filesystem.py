@@ -26,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from storage_schemas import store_calls
 
@@ -72,7 +73,8 @@ def retry_settings() -> tuple[str, int]:
     text = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
     problems = []
     if mode not in RETRY_MODES:
-        problems.append(f"AWS_RETRY_MODE={mode!r}: use one of {', '.join(RETRY_MODES)} (pyarrow's S3 client has no other)")
+        problems.append(f"AWS_RETRY_MODE={mode!r}: use one of {', '.join(RETRY_MODES)} "
+                        "(pyarrow's S3 client has no other)")
     if text and not (text.isdigit() and int(text) >= 1):
         problems.append(f"AWS_MAX_ATTEMPTS={text!r}: use a whole number of attempts per request, at least 1")
     if problems:
@@ -189,6 +191,19 @@ def sha256(location: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def parquet_file(location: str | os.PathLike, **options) -> pq.ParquetFile:
+    """A Parquet file opened through :func:`resolve`, so that an object store's retry settings and
+    counts apply (a URI given to pyarrow as it is would get a client of pyarrow's own defaults)."""
+    fs, path = resolve(location)
+    return pq.ParquetFile(path, filesystem=fs, **options)
+
+
+def parquet_schema(location: str | os.PathLike):
+    """The schema (with its key-value metadata) in a Parquet file's footer, read as :func:`parquet_file`."""
+    fs, path = resolve(location)
+    return pq.read_schema(path, filesystem=fs)
 
 
 def read_bytes(location: str | os.PathLike) -> bytes:

@@ -25,7 +25,8 @@ import os
 from typing import Any, Mapping
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from storage_schemas import filesystem
 
 SCHEMA_VERSION = 1
 
@@ -80,7 +81,7 @@ def schema_with_metadata(identity: Mapping[str, Any], shard: Mapping[str, Any], 
 def read_shard_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The decoded key-value metadata of one shard; raises :class:`ContractError` if absent."""
     try:
-        schema = pq.read_schema(path)
+        schema = filesystem.parquet_schema(path)
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise ContractError(f"{path}: not a readable Parquet file ({exc})") from exc
     raw = schema.metadata or {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import threading
 from collections import Counter
@@ -25,17 +26,20 @@ _reasons: Counter = Counter()
 _state = {"listening": None}  # None: not started; True: this process listens; False: another listener counts
 
 
-def start() -> None:
+def start(own: bool = False) -> None:
     """Listen for the SDK's datagrams, unless a parent process on this host already does (then its
-    listener counts this process's requests) or the user runs client-side monitoring of their own."""
+    listener counts this process's requests) or the user runs client-side monitoring of their own.
+    ``own``: listen in any case (a run's own process, whatever started it, counts for itself)."""
     if _state["listening"] is not None:
         return
-    inherited = os.environ.get("AWS_CSM_CLIENT_ID") == CLIENT_ID and os.environ.get("AWS_CSM_PORT")
-    if inherited or os.environ.get("AWS_CSM_ENABLED", "").lower() == "true":
+    inherited = os.environ.get("AWS_CSM_CLIENT_ID") == CLIENT_ID and os.environ.get("AWS_CSM_PORT") and not own
+    users = os.environ.get("AWS_CSM_ENABLED", "").lower() == "true" and os.environ.get("AWS_CSM_CLIENT_ID") != CLIENT_ID
+    if inherited or users:
         _state["listening"] = False
         return
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
+    _state["socket"] = sock
     os.environ.update(AWS_CSM_ENABLED="true", AWS_CSM_HOST="127.0.0.1", AWS_CSM_PORT=str(sock.getsockname()[1]),
                       AWS_CSM_CLIENT_ID=CLIENT_ID)
     threading.Thread(target=_listen, args=(sock,), name="s3-call-counts", daemon=True).start()
@@ -44,13 +48,24 @@ def start() -> None:
 
 def _listen(sock: socket.socket) -> None:
     while True:
-        data = sock.recv(65536)
+        select.select([sock], [], [], 1.0)
+        with _lock:
+            _drain()
+
+
+def _drain() -> None:
+    """Count every datagram waiting (under ``_lock``). The SDK sends a call's datagrams before the call
+    returns, so after :func:`_drain` the counts hold every call this process (or a child) finished."""
+    sock = _state.get("socket")
+    while sock is not None:
         try:
-            event = json.loads(data)
+            data = sock.recv(65536, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        try:
+            _count(json.loads(data))
         except ValueError:
             continue
-        with _lock:
-            _count(event)
 
 
 def _count(event: dict) -> None:
@@ -72,7 +87,8 @@ def failure_reason(attempt: dict) -> str | None:
         return str(attempt["AwsException"])  # SlowDown, InternalError, ...
     if status >= 500 or status == 429:
         return f"HTTP {status}"
-    if status == 0 and (attempt.get("SdkException") or attempt.get("SdkExceptionMessage")):
+    message = str(attempt.get("SdkExceptionMessage") or attempt.get("SdkException") or "")
+    if "curlCode" in message or (status <= 0 and message):  # reset, refused or timed out, before or inside the answer
         return "connection"
     return None
 
@@ -82,12 +98,14 @@ def snapshot() -> dict:
     ``gave_up`` (calls whose retries ran out), ``failed_attempts`` by reason, and whether this
     process counts (``counted``: false where nothing listened to it)."""
     with _lock:
+        _drain()
         return _current()
 
 
 def take() -> dict:
     """:func:`snapshot`, then start counting from zero (for a process that reports its counts in parts)."""
     with _lock:
+        _drain()
         counts = _current()
         _counts.clear()
         _reasons.clear()

@@ -235,6 +235,7 @@ def run_export(job: ExportJobConfig) -> ExportSummary:
     """Export (module docstring). The output folder's lock is held throughout, so a second launch
     into the same folder is refused instead of interleaving shards. A refusal is one line (the
     problems of a several-line message joined by ``; ``), of the same error class."""
+    store_calls.start(own=True)  # before any S3 request: this run's counts are its own
     try:
         return _run_export(job)
     except (UserError, ContractError) as exc:

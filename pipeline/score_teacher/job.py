@@ -448,12 +448,14 @@ def _shard_source(spec: ShardSpec) -> dict:
 
 def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
     t0 = time.perf_counter()
+    store_calls.start(own=True)  # before any S3 request: this run's counts are its own
     prepared = prepare(cfg)
     _refuse_mismatch_early(cfg, prepared)
     with exclusive_writer(cfg.output_dir):
         summary = _score(cfg, prepared, t0)
         remove_unreferenced(cfg.output_dir, finished_shards(cfg.output_dir))  # object stores: losing attempts
-        return summary
+    # the actors' object-store requests and the driver's, the lock's release included
+    return replace(summary, store_calls=store_calls.add(summary.store_calls, store_calls.snapshot()))
 
 
 def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
@@ -501,8 +503,7 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
         complete=manifest["complete"],
         failed=run.failed,
         actors=run.actors,
-        store_calls=functools.reduce(store_calls.add, (e.get("store_calls", {}) for e in run.scored),
-                                     store_calls.snapshot()),
+        store_calls=functools.reduce(store_calls.add, (e.get("store_calls", {}) for e in run.scored), {}),
     )
 
 

@@ -351,8 +351,10 @@ def run_training(job: TrainJobConfig, callbacks: list | None = None) -> TrainSum
     The global rank-0 process holds an exclusive lock on the run folder for the whole run, so a
     second launch of the same run is refused instead of interleaving checkpoints.
     """
+    store_calls.start(own=True)  # before any S3 request: this run's counts are its own
     with contextlib.ExitStack() as lock:
-        return _run_training(job, callbacks, lock)
+        summary = _run_training(job, callbacks, lock)
+    return replace(summary, store_calls=store_calls.snapshot())  # this process and its data-loader workers
 
 
 def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.ExitStack) -> TrainSummary:
@@ -425,7 +427,6 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
         data=data.summary(),
         last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
         nonfinite_steps=list(trainer.guard.skipped),
-        store_calls=store_calls.snapshot(),  # this process and its data-loader workers
     )
 
 
