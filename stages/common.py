@@ -115,15 +115,13 @@ def exit_on_user_error(fn):
         try:
             with interrupts():
                 return fn(*args, **kwargs)
-        except USER_ERRORS as exc:
-            if os.environ.get("VOCAGNO_TRACEBACK"):
-                raise
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(2)
         except Exception as exc:
-            store = sfs.unavailable(exc)
-            if store is None or os.environ.get("VOCAGNO_TRACEBACK"):
+            store = sfs.unavailable(exc)  # first: a user error may carry it (a shard that could not be read)
+            if os.environ.get("VOCAGNO_TRACEBACK") or (store is None and not isinstance(exc, USER_ERRORS)):
                 raise
+            if store is None:
+                print(f"error: {exc}", file=sys.stderr)
+                sys.exit(2)
             mode, attempts = sfs.retry_settings()
             print(f"error: the object store did not answer within {attempts} attempts per request (AWS_MAX_ATTEMPTS, "
                   f"{mode} retry mode): {store}. What finished is kept and marked complete, nothing half-written "

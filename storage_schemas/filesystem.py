@@ -32,7 +32,7 @@ from storage_schemas import store_calls
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
 DEFAULT_MAX_ATTEMPTS = 10  # the AWS SDKs' standard mode has 3: too few for a store that throttles a long job
-RETRY_MODES = {"standard": pafs.AwsStandardS3RetryStrategy, "legacy": pafs.AwsDefaultS3RetryStrategy}
+RETRY_MODES = ("standard", "legacy")
 AWS_ERROR = re.compile(r"AWS Error (\w+)(?: \(HTTP status (\d+)\))? during (\w+) operation")
 GONE = {"NETWORK_CONNECTION", "SLOW_DOWN", "THROTTLING", "SERVICE_UNAVAILABLE", "REQUEST_TIMEOUT", "INTERNAL_FAILURE"}
 
@@ -63,8 +63,11 @@ def _remote_fs(bucket_uri: str, endpoint: str | None, retries: tuple[str, int]) 
     if not isinstance(fs, pafs.S3FileSystem):
         return fs
     mode, attempts = retries
-    return pafs.S3FileSystem(region=fs.region or None, endpoint_override=endpoint or None,
-                             retry_strategy=RETRY_MODES[mode](max_attempts=attempts))
+    if mode == "legacy":  # the SDK's older strategy counts the attempts after the first (measured)
+        strategy = pafs.AwsDefaultS3RetryStrategy(max_attempts=attempts - 1)
+    else:
+        strategy = pafs.AwsStandardS3RetryStrategy(max_attempts=attempts)
+    return pafs.S3FileSystem(region=fs.region or None, endpoint_override=endpoint or None, retry_strategy=strategy)
 
 
 def retry_settings() -> tuple[str, int]:

@@ -390,6 +390,8 @@ def shard_problems(folder: Path | str, entry: dict | None, manifest: Mapping, *,
     except ContractError as exc:
         return ShardCheck(problems + [(name, str(exc).replace(f"{path}: ", ""))])
     except Exception as exc:  # pyarrow's errors on a footer that reads as a schema but not in full
+        if sfs.unavailable(exc):
+            raise  # the store did not answer: not a bad shard
         return ShardCheck(problems + [(name, f"unreadable footer ({type(exc).__name__}: {exc})")])
     if manifest.get("identity"):
         diffs = shard_identity_differences(meta[META_IDENTITY], manifest)
@@ -414,6 +416,8 @@ def read_row_group(shard: ShardInfo, group: int, columns: Sequence[str] | None =
     try:
         table = sfs.parquet_file(shard.path).read_row_group(group, columns=list(columns) if columns else None)
     except Exception as exc:
+        if sfs.unavailable(exc):
+            raise  # the store did not answer: not a bad shard (never skipped for it)
         raise BadShardError(f"{shard.path}: row group {group} cannot be read ({type(exc).__name__}: {exc})") from exc
     present = [c for c in LIST_COLUMNS if c in table.column_names]
     if len(present) > 1:

@@ -83,6 +83,8 @@ def read_shard_metadata(path: str | os.PathLike) -> dict[str, Any]:
     try:
         schema = filesystem.parquet_schema(path)
     except Exception as exc:  # pyarrow raises several types for unreadable files
+        if filesystem.unavailable(exc):
+            raise  # the store did not answer: nothing is known of the file
         raise ContractError(f"{path}: not a readable Parquet file ({exc})") from exc
     raw = schema.metadata or {}
     missing = [k for k in META_KEYS if k.encode() not in raw]

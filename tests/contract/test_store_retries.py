@@ -105,3 +105,31 @@ def test_the_sdks_monitoring_records_are_counted_by_reason():
                      "counted": True}
     assert store_calls.describe(total) == ("4 requests, 3 retried by the S3 client (SlowDown 2, connection 1), "
                                            "1 given up")
+
+
+@pytest.mark.parametrize("mode, attempts", [("standard", 2), ("legacy", 5)])
+def test_the_s3_client_makes_as_many_attempts_as_the_settings_say(s3_server, monkeypatch, mode, attempts):
+    """A store that answers 503 to everything sees each request exactly AWS_MAX_ATTEMPTS times, for a
+    footer read through the contract's readers too (a URI handed to pyarrow as it is would get
+    pyarrow's own default: 31 attempts over 6 s)."""
+    pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from local_s3.faults import Faults, faulty_s3
+    from storage_schemas.schema import read_shard_metadata
+
+    uri = f"{s3_server()}/shard.parquet"
+    fs, path = sfs.resolve(uri)
+    pq.write_table(pa.table({"x": [1, 2]}), path, filesystem=fs)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", str(attempts))
+    monkeypatch.setenv("AWS_RETRY_MODE", mode)
+    with faulty_s3(Faults(slowdown=0.0, reset=0.0, delay=0.0)) as proxy:
+        assert sfs.parquet_file(uri).metadata.num_rows == 2  # through the proxy, before it goes down
+        proxy.down()
+        for read in (sfs.exists, sfs.read_bytes, sfs.parquet_file, read_shard_metadata):
+            before = proxy.counts()["down"]
+            with pytest.raises(Exception) as failed:
+                read(uri)
+            assert proxy.counts()["down"] - before == attempts, read.__name__
+            assert sfs.unavailable(failed.value), (read.__name__, failed.value)
