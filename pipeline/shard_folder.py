@@ -298,7 +298,9 @@ def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:
     for marker in sorted(n for n in sizes if n.startswith("shard-") and n.endswith(MARKER_SUFFIX)):
         try:
             entry = json.loads(sfs.read_bytes(sfs.child(folder, marker)))
-        except (OSError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError) as exc:
+            if sfs.unavailable(exc):
+                raise  # the store did not answer: the marker may well be there
             continue  # gone since the listing, or torn (cannot happen with whole writes: never trust it)
         file = entry.get("file") if isinstance(entry, dict) else None
         index = shard_index(file) if isinstance(file, str) else None

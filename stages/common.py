@@ -44,6 +44,8 @@ from rich.table import Table
 from pipeline.config import ConfigError, UserError, build, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
 from pipeline.output_folder import storage_error
 from storage_schemas import ContractError, dataset_dir
+from storage_schemas import filesystem as sfs
+from storage_schemas import store_calls
 from storage_schemas.reader import DocumentNotFoundError
 
 T = TypeVar("T")
@@ -77,7 +79,8 @@ def register_defaults(name: str, tree: dict) -> None:
 
 # The project's own errors about what the user gave. The contract package depends on nothing but
 # pyarrow, so its errors (a bad shard, a document id not in the dataset) are named here.
-USER_ERRORS = (UserError, ContractError, DocumentNotFoundError)
+USER_ERRORS = (UserError, ContractError, DocumentNotFoundError, sfs.StoreSettingError)
+STORE_UNAVAILABLE = 75  # EX_TEMPFAIL: the object store did not answer; the same command later resumes
 INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # the shells' exit statuses for them
 
 
@@ -108,25 +111,29 @@ def exit_on_user_error(fn):
     """The project's user errors (:class:`pipeline.config.UserError`), and a full, read-only or
     forbidden file system (:func:`pipeline.output_folder.storage_error`), end the entry point with one
     clear line and exit status 2, no traceback (VOCAGNO_TRACEBACK=1 shows it); an interrupt ends it
-    with one line and 130 (SIGINT) or 143 (SIGTERM). Everything else (CUDA, NCCL and Ray errors, a
-    bug) propagates with its traceback and another exit status."""
+    with one line and 130 (SIGINT) or 143 (SIGTERM); an object store still failing after the S3
+    client's retries (:func:`storage_schemas.filesystem.unavailable`) with one line and 75. Everything
+    else (CUDA, NCCL and Ray errors, a bug) propagates with its traceback and another exit status."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             with interrupts():
                 return fn(*args, **kwargs)
-        except USER_ERRORS as exc:
-            if os.environ.get("VOCAGNO_TRACEBACK"):
+        except Exception as exc:
+            store = sfs.unavailable(exc)  # first: a user error may carry it (a shard that could not be read)
+            storage = storage_error(exc) if isinstance(exc, OSError) else None  # full, read-only, forbidden
+            if os.environ.get("VOCAGNO_TRACEBACK") or (store is None and storage is None
+                                                       and not isinstance(exc, USER_ERRORS)):
                 raise
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(2)
-        except OSError as exc:  # a full, read-only or forbidden file system: one line too
-            storage = storage_error(exc)
-            if storage is None or os.environ.get("VOCAGNO_TRACEBACK"):
-                raise
-            print(f"error: {storage}", file=sys.stderr)
-            sys.exit(2)
+            if store is None:
+                print(f"error: {storage or exc}", file=sys.stderr)
+                sys.exit(2)
+            mode, attempts = sfs.retry_settings()
+            print(f"error: the object store did not answer within {attempts} attempts per request (AWS_MAX_ATTEMPTS, "
+                  f"{mode} retry mode): {store}. What finished is kept and marked complete, nothing half-written "
+                  "is; run the same command once the store answers", file=sys.stderr)
+            sys.exit(STORE_UNAVAILABLE)
         except KeyboardInterrupt as exc:
             signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
             print(f"interrupted ({signal.Signals(signum).name}): stopped; what was finished is kept and marked "
@@ -181,6 +188,11 @@ def expand_home(args: list[str]) -> list[str]:
     return [a if "=" not in a or a.startswith("~") else a.split("=", 1)[0] + "=" +
             re.sub(r"(^|[\[,'\"\s])~(?=/|$|[\],'\"\s])", lambda m: m.group(1) + home, a.split("=", 1)[1])
             for a in args]
+
+
+def store_row(counts: dict) -> list[tuple[str, str]]:
+    """The summary's row on the object store: requests and the S3 client's retries, when there were any."""
+    return [("object store", store_calls.describe(counts))] if counts.get("requests") else []
 
 
 def show_summary(title: str, rows: list[tuple[str, str]], lines: list[tuple[str, str]],

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from pipeline.export_student.config import ExportJobConfig, config_defaults, export_job_config
 from pipeline.export_student.job import ExportSummary, run_export
-from stages.common import entry_point, plain, quiet_libraries
+from stages.common import entry_point, plain, quiet_libraries, store_row
 from stages.train_student import build_embedded
 
 log = logging.getLogger("export_student")
@@ -38,6 +38,7 @@ def print_summary(s: ExportSummary) -> None:
         ("shards", f"{s.shards_written} written now, {s.shards_done_before} found done, {s.shards_planned} planned"),
         ("formats", ", ".join(f"{name} {size:,} bytes ({size / tokens:.2f}/token)" for name, size in s.bytes.items())),
         ("throughput", f"{s.tokens_per_s:,.0f} student tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
+        *store_row(s.store_calls),
     ]
     table = Table(title="export-student", show_header=False, title_justify="left")
     for k, v in rows:

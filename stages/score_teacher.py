@@ -40,6 +40,7 @@ from stages.common import (
     quiet_libraries,
     same_path,
     show_summary,
+    store_row,
     with_problems,
 )
 from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
@@ -106,6 +107,7 @@ def print_summary(s: JobSummary, console: Console | None = None) -> None:
     notes = {k: v for k, v in s.reasons.items() if k not in SKIP_REASONS + ZERO_TOKEN_REASONS}
     if notes:
         rows.append(("scored, noted", ", ".join(f"{k}: {v}" for k, v in notes.items())))
+    rows += store_row(s.store_calls)
     if s.failed:
         rows.append(("failed, skipped", "; ".join(f"shard {f['index']} after {f['attempts']} tries: {f['error']}"
                                                   for f in s.failed) + " (rerun the same command to score them)"))

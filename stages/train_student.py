@@ -29,7 +29,7 @@ from pipeline.train_student.run import (
     run_training,
     train_job_config,
 )
-from stages.common import ConfigError, entry_point, plain, quiet_libraries, same_path, show_summary, with_problems
+from stages.common import ConfigError, entry_point, plain, quiet_libraries, same_path, show_summary, store_row, with_problems
 from storage_schemas import write_json_atomic
 
 log = logging.getLogger("train_student")
@@ -89,6 +89,7 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
         rows.insert(2, ("mixture", "; ".join(
             f"{m['name']} {m['share']:.3f} of the samples (weight {m['weight']:.3f}), {m['samples']:,} samples, "
             f"{m['passes']:.2f} of {m['epochs']} pass(es)" for m in d["mixture"])))
+    rows += store_row(s.store_calls)
     if last:
         rows.append(("last log", ", ".join(f"{k} {last[k]:.4g}" for k in (
             "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "excess_loss", "learning_rate") if k in last)))

@@ -5,6 +5,13 @@ object store: ``s3://bucket/key`` (credentials, region and ``AWS_ENDPOINT_URL`` 
 environment variables and files), ``gs://bucket/key`` (Google's standard credentials). pyarrow
 resolves the file system; nothing here keeps a connection open, so a location string can be sent to
 a Ray actor on another node and opened there.
+
+An S3 request that fails in a way worth another try (503 SlowDown, another 5xx, a dropped or
+timed-out connection) is tried again by the AWS SDK inside pyarrow, with the standard retry mode's
+backoff, up to ``AWS_MAX_ATTEMPTS`` attempts (the standard AWS variable; 10 here when unset;
+``AWS_RETRY_MODE=legacy`` takes the SDK's older strategy). Those retries are counted
+(:mod:`storage_schemas.store_calls`); a request still failing after them is
+:func:`unavailable` (docs/running-at-scale.md, "When the store throttles or drops").
 """
 
 from __future__ import annotations
@@ -14,12 +21,28 @@ import glob as _glob
 import hashlib
 import os
 import posixpath
+import re
 from functools import lru_cache
 from pathlib import Path
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from storage_schemas import store_calls
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs")
+DEFAULT_MAX_ATTEMPTS = 10  # the AWS SDKs' standard mode has 3: too few for a store that throttles a long job
+RETRY_MODES = ("standard", "legacy")
+AWS_ERROR = re.compile(r"AWS Error (\w+)(?: \(HTTP status (\d+)\))? during (\w+) operation")
+GONE = {"NETWORK_CONNECTION", "SLOW_DOWN", "THROTTLING", "SERVICE_UNAVAILABLE", "REQUEST_TIMEOUT", "INTERNAL_FAILURE"}
+
+
+class StoreSettingError(ValueError):
+    """``AWS_MAX_ATTEMPTS`` or ``AWS_RETRY_MODE`` holds a value the S3 client cannot use."""
+
+
+class StoreUnavailableError(OSError):
+    """The object store did not answer a request within the client's retries."""
 
 
 def scheme(location: str | os.PathLike) -> str:
@@ -34,9 +57,47 @@ def is_remote(location: str | os.PathLike) -> bool:
 
 
 @lru_cache(maxsize=32)
-def _remote_fs(bucket_uri: str, endpoint: str | None) -> pafs.FileSystem:
-    fs, _ = pafs.FileSystem.from_uri(bucket_uri)
-    return fs
+def _remote_fs(bucket_uri: str, endpoint: str | None, retries: tuple[str, int]) -> pafs.FileSystem:
+    store_calls.start()  # before the SDK starts in this process
+    fs, _ = pafs.FileSystem.from_uri(bucket_uri)  # region and endpoint as pyarrow finds them
+    if not isinstance(fs, pafs.S3FileSystem):
+        return fs
+    mode, attempts = retries
+    if mode == "legacy":  # the SDK's older strategy counts the attempts after the first (measured)
+        strategy = pafs.AwsDefaultS3RetryStrategy(max_attempts=attempts - 1)
+    else:
+        strategy = pafs.AwsStandardS3RetryStrategy(max_attempts=attempts)
+    return pafs.S3FileSystem(region=fs.region or None, endpoint_override=endpoint or None, retry_strategy=strategy)
+
+
+def retry_settings() -> tuple[str, int]:
+    """The S3 client's retry mode and attempts per request, from ``AWS_RETRY_MODE`` and ``AWS_MAX_ATTEMPTS``."""
+    mode = os.environ.get("AWS_RETRY_MODE", "").strip().lower() or "standard"
+    text = os.environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    problems = []
+    if mode not in RETRY_MODES:
+        problems.append(f"AWS_RETRY_MODE={mode!r}: use one of {', '.join(RETRY_MODES)} "
+                        "(pyarrow's S3 client has no other)")
+    if text and not (text.isdigit() and int(text) >= 1):
+        problems.append(f"AWS_MAX_ATTEMPTS={text!r}: use a whole number of attempts per request, at least 1")
+    if problems:
+        raise StoreSettingError("; ".join(problems))
+    return mode, int(text) if text else DEFAULT_MAX_ATTEMPTS
+
+
+def unavailable(exc: BaseException) -> str | None:
+    """The store's own words when ``exc`` (or what caused it, across a Ray task or a data-loader
+    worker) is an S3 request that failed after the client's retries because the store throttled,
+    failed or could not be reached; None for anything else (a missing object, a refused key)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for line in str(exc).splitlines():
+            match = AWS_ERROR.search(line)
+            if match and (match.group(1) in GONE or int(match.group(2) or 0) >= 500 or match.group(2) == "429"):
+                return line.strip()
+        exc = getattr(exc, "cause", None) or exc.__cause__ or exc.__context__
+    return None
 
 
 def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
@@ -51,7 +112,8 @@ def resolve(location: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     bucket = rest.split("/", 1)[0]
     if not bucket:
         raise ValueError(f"{text}: no bucket in the URI")
-    return _remote_fs(f"{kind}://{bucket}", os.environ.get("AWS_ENDPOINT_URL")), rest.rstrip("/")
+    retries = retry_settings() if kind == "s3" else ("standard", 0)
+    return _remote_fs(f"{kind}://{bucket}", os.environ.get("AWS_ENDPOINT_URL"), retries), rest.rstrip("/")
 
 
 def location(value: str | os.PathLike) -> Path | str:
@@ -132,6 +194,19 @@ def sha256(location: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def parquet_file(location: str | os.PathLike, **options) -> pq.ParquetFile:
+    """A Parquet file opened through :func:`resolve`, so that an object store's retry settings and
+    counts apply (a URI given to pyarrow as it is would get a client of pyarrow's own defaults)."""
+    fs, path = resolve(location)
+    return pq.ParquetFile(path, filesystem=fs, **options)
+
+
+def parquet_schema(location: str | os.PathLike):
+    """The schema (with its key-value metadata) in a Parquet file's footer, read as :func:`parquet_file`."""
+    fs, path = resolve(location)
+    return pq.read_schema(path, filesystem=fs)
 
 
 def read_bytes(location: str | os.PathLike) -> bytes:

@@ -34,7 +34,6 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from storage_schemas import filesystem as sfs
 from storage_schemas.identity import (
@@ -247,7 +246,7 @@ class ScoredDataset:
         seen = 0
         for path in self.shard_paths:
             row = 0
-            with pq.ParquetFile(path) as reader:
+            with sfs.parquet_file(path) as reader:
                 for batch in reader.iter_batches(batch_size=batch_rows):
                     for record in _records(batch, sfs.name(path), row):
                         if limit is not None and seen >= limit:
@@ -387,10 +386,12 @@ def shard_problems(folder: Path | str, entry: dict | None, manifest: Mapping, *,
         return ShardCheck(problems or [(name, "missing")])
     try:
         meta = read_shard_metadata(path)
-        parquet_meta = pq.ParquetFile(path).metadata
+        parquet_meta = sfs.parquet_file(path).metadata
     except ContractError as exc:
         return ShardCheck(problems + [(name, str(exc).replace(f"{path}: ", ""))])
     except Exception as exc:  # pyarrow's errors on a footer that reads as a schema but not in full
+        if sfs.unavailable(exc):
+            raise  # the store did not answer: not a bad shard
         return ShardCheck(problems + [(name, f"unreadable footer ({type(exc).__name__}: {exc})")])
     if manifest.get("identity"):
         diffs = shard_identity_differences(meta[META_IDENTITY], manifest)
@@ -413,8 +414,10 @@ def read_row_group(shard: ShardInfo, group: int, columns: Sequence[str] | None =
     """One decoded row group; any decoding problem or a row whose lists disagree in length is a
     :class:`BadShardError` naming the file."""
     try:
-        table = pq.ParquetFile(shard.path).read_row_group(group, columns=list(columns) if columns else None)
+        table = sfs.parquet_file(shard.path).read_row_group(group, columns=list(columns) if columns else None)
     except Exception as exc:
+        if sfs.unavailable(exc):
+            raise  # the store did not answer: not a bad shard (never skipped for it)
         raise BadShardError(f"{shard.path}: row group {group} cannot be read ({type(exc).__name__}: {exc})") from exc
     present = [c for c in LIST_COLUMNS if c in table.column_names]
     if len(present) > 1:

@@ -25,7 +25,8 @@ import os
 from typing import Any, Mapping
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from storage_schemas import filesystem
 
 SCHEMA_VERSION = 1
 
@@ -80,8 +81,10 @@ def schema_with_metadata(identity: Mapping[str, Any], shard: Mapping[str, Any], 
 def read_shard_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The decoded key-value metadata of one shard; raises :class:`ContractError` if absent."""
     try:
-        schema = pq.read_schema(path)
+        schema = filesystem.parquet_schema(path)
     except Exception as exc:  # pyarrow raises several types for unreadable files
+        if filesystem.unavailable(exc):
+            raise  # the store did not answer: nothing is known of the file
         raise ContractError(f"{path}: not a readable Parquet file ({exc})") from exc
     raw = schema.metadata or {}
     missing = [k for k in META_KEYS if k.encode() not in raw]

@@ -51,6 +51,7 @@ from pipeline.student_side import PackingConfig, StudentData, build_student_data
 from pipeline.tokenization import fingerprint, load_tokenizer, require_fast
 from storage_schemas import CARD_NAME, MANIFEST_NAME, ContractError, write_json_atomic
 from storage_schemas import filesystem as sfs
+from storage_schemas import store_calls
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class ExportSummary:
     seconds: float  # wall, this run, set-up included
     write_cpu_seconds: float = 0.0  # process CPU time writing this run's shards (read, align, encode, write)
     teachers: list[str] = field(default_factory=list)
+    store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries (store_calls)
 
     @property
     def tokens_per_s(self) -> float:
@@ -222,6 +224,7 @@ def run_export(job: ExportJobConfig) -> ExportSummary:
     """Export (module docstring). The output folder's lock is held throughout, so a second launch
     into the same folder is refused instead of interleaving shards. A refusal is one line (the
     problems of a several-line message joined by ``; ``), of the same error class."""
+    store_calls.start(own=True)  # before any S3 request: this run's counts are its own
     try:
         return _run_export(job)
     except (UserError, ContractError) as exc:
@@ -282,6 +285,7 @@ def _run_export(job: ExportJobConfig) -> ExportSummary:
         mapped_fraction=totals["mapped"] / totals["tokens"] if totals["tokens"] else float("nan"),
         bytes=totals["bytes"], complete=complete, seconds=time.perf_counter() - t0, write_cpu_seconds=cpu,
         teachers=teacher_names(data.teachers.datasets if data.teachers is not None else [data.scored]),
+        store_calls=store_calls.snapshot(),
     )
 
 

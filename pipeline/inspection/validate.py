@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from storage_schemas import (
     MANIFEST_NAME,
@@ -213,7 +212,7 @@ def _check_shard(
     rows = tokens = 0
     ids_hashed, ids_rows = [], []
     try:
-        shard = pq.ParquetFile(str(sfs.child(folder, name)))
+        shard = sfs.parquet_file(sfs.child(folder, name))
         for table in shard.iter_batches(batch_size=BATCH_ROWS):
             problems.extend(Problem(p.severity, name, p.message, row=p.row, doc_id=p.doc_id)
                             for p in table_problems(table, rules, first_row=rows))
@@ -246,7 +245,8 @@ def _check_unique_ids(folder: Path | str, hashes: dict[str, tuple[np.ndarray, np
     for file, (hashed, rows) in hashes.items():
         picked = rows[np.isin(hashed, repeated)]
         if picked.size:
-            doc_ids = pq.read_table(str(sfs.child(folder, file)), columns=["doc_id"]).column("doc_id").take(picked).to_pylist()
+            table = sfs.parquet_file(sfs.child(folder, file)).read(columns=["doc_id"])
+            doc_ids = table.column("doc_id").take(picked).to_pylist()
             candidates += [(file, int(r), d) for r, d in zip(picked.tolist(), doc_ids)]
     seen: dict[str, int] = {}
     for _, _, doc_id in candidates:

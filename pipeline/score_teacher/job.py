@@ -15,6 +15,7 @@ manifest's ``location`` and never compared, so a moved or copied project resumes
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -86,6 +87,7 @@ from pipeline.score_teacher.writer import (
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT, MANIFEST_NAME, SKIP_REASONS
 from storage_schemas import filesystem as sfs
+from storage_schemas import store_calls
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +235,7 @@ class JobSummary:
     complete: bool
     failed: list[dict] = field(default_factory=list)  # shards given up in this run (pool.on_bad_shard=skip)
     actors: list[dict] = field(default_factory=list)  # where the scorer actors ran (ShardScorer.describe)
+    store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries, all processes
 
     @property
     def tokens_per_s(self) -> float:
@@ -397,6 +400,7 @@ class ShardScorer:
             scored_by={**self.node, "attempt": attempt, "engine": self.engine},
         )
         entry["seconds"] = time.perf_counter() - t0
+        entry["store_calls"] = store_calls.take()  # this actor's object-store requests since its last shard
         return entry
 
     def describe(self) -> dict:
@@ -445,6 +449,7 @@ def _shard_source(spec: ShardSpec) -> dict:
 
 def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
     t0 = time.perf_counter()
+    store_calls.start(own=True)  # before any S3 request: this run's counts are its own
     prepared = prepare(cfg)
     _refuse_early(cfg, prepared)
     created = _first_missing(cfg.output_dir)
@@ -452,10 +457,11 @@ def run_score_job(cfg: ScoreJobConfig) -> JobSummary:
         with exclusive_writer(cfg.output_dir):
             summary = _score(cfg, prepared, t0)
             remove_unreferenced(cfg.output_dir, finished_shards(cfg.output_dir))  # object stores: losing attempts
-            return summary
     except BaseException:
         _remove_empty_folders(cfg.output_dir, created)  # a failed start leaves no folder it made
         raise
+    # the actors' object-store requests and the driver's, the lock's release included
+    return replace(summary, store_calls=store_calls.add(summary.store_calls, store_calls.snapshot()))
 
 
 def _refuse_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
@@ -538,6 +544,7 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
         complete=manifest["complete"],
         failed=run.failed,
         actors=run.actors,
+        store_calls=functools.reduce(store_calls.add, (e.get("store_calls", {}) for e in run.scored), {}),
     )
 
 
@@ -604,7 +611,7 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
                 last_manifest[0] = time.monotonic()
 
         def scored(entry: dict, run: PoolRun) -> None:
-            done[entry["index"]] = entry
+            done[entry["index"]] = {k: v for k, v in entry.items() if k != "store_calls"}  # the run's, not the shard's
             if on_first is not None and len(run.scored) == 1:
                 on_first()  # the first shard is finished: what overwrite set aside can go
             progress(run)

@@ -33,6 +33,7 @@ import storage_schemas
 from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
 from pipeline.output_folder import storage_error
 from pipeline.score_teacher.faults import FAULTS_ENV
+from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
 
@@ -612,6 +613,9 @@ def _shard_done(ref, running: dict, queue: deque, tries: dict, actors: ScorerPoo
             run.failed.append({"index": spec.index, "error": str(storage), "attempts": tries[spec.index]})
             raise storage from None
         n = tries[spec.index]
+        store = sfs.unavailable(exc)
+        if store:  # the S3 client has spent its retries: another try of the shard would only wait as long again
+            raise sfs.StoreUnavailableError(f"shard {spec.index}: {store}") from exc
         if is_transient(exc) and n <= pool.shard_retries:
             log.warning("shard %d failed (try %d of %d), trying again: %s", spec.index, n,
                         pool.shard_retries + 1, first_line(exc))

@@ -85,6 +85,7 @@ from pipeline.train_student.trainer import (
     NonFiniteLossError,
 )
 from storage_schemas import filesystem as sfs
+from storage_schemas import store_calls
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY, ScoredDataset, ScoredFolder
 
 log = logging.getLogger(__name__)
@@ -418,6 +419,7 @@ class TrainSummary:
     data: dict  # plan summary, shards used/skipped, alignment
     last_log: dict
     nonfinite_steps: list[int] = field(default_factory=list)  # optimizer steps skipped (whole run)
+    store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries (store_calls)
 
     @property
     def tokens_per_s(self) -> float:
@@ -430,8 +432,10 @@ def run_training(job: TrainJobConfig, callbacks: list | None = None) -> TrainSum
     The global rank-0 process holds an exclusive lock on the run folder for the whole run, so a
     second launch of the same run is refused instead of interleaving checkpoints.
     """
+    store_calls.start(own=True)  # before any S3 request: this run's counts are its own
     with contextlib.ExitStack() as lock:
-        return _run_training(job, callbacks, lock)
+        summary = _run_training(job, callbacks, lock)
+    return replace(summary, store_calls=store_calls.snapshot())  # this process and its data-loader workers
 
 
 def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.ExitStack) -> TrainSummary:
