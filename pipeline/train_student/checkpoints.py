@@ -3,7 +3,8 @@ checkpoint or the final model complete (docs/METHOD.md §2.5).
 
 A run folder holds ``run.json`` (the recipe and the student's identity), ``checkpoint-<step>/``
 (the Trainer's files, ``data_identity.json`` and, written last, ``checkpoint_complete.json``),
-``metrics.jsonl``, ``runs/`` (TensorBoard), ``final/`` (written under a temporary name and
+``metrics.jsonl``, ``runs/`` (TensorBoard), ``stable/`` (a ``wsd`` run's checkpoint at the end of its
+stable phase), ``final/`` (written under a temporary name and
 renamed, so it is whole or absent) and ``summary.json``.
 
 A checkpoint without its completion marker was being written when the process died: it is never
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RUN_NAME = "run.json"
 FINAL_NAME = "final"
+STABLE_NAME = "stable"  # a wsd run's checkpoint at the end of its stable phase (pipeline.train_student.schedule)
 METRICS_NAME = "metrics.jsonl"
 DATA_IDENTITY_NAME = "data_identity.json"
 COMPLETE_NAME = "checkpoint_complete.json"
@@ -111,13 +113,17 @@ def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: di
     if not is_complete_checkpoint(checkpoint):
         raise RunMismatchError(f"cannot resume {checkpoint}: it is incomplete (no checkpoint_complete.json; the "
                                "process died while saving it). Resume from an earlier checkpoint.")
-    problems = _resume_differences(recipe, identity, Path(checkpoint), student)
+    problems = resume_differences(recipe, identity, Path(checkpoint), student)
     if problems:
         budget_only = all(p.startswith(("recipe train.max_steps:", "recipe train.max_tokens:")) for p in problems)
         way_on = (
             f"\nTo train further, start a new run from this one's model: student.model={Path(checkpoint).parent / 'final'}"
             " student.embedded=false output_dir=<a new folder> (the learning-rate schedule starts again; "
-            "docs/configuration.md, \"Resuming, and training longer\")." if budget_only else "")
+            "docs/configuration.md, \"Training longer\")." if budget_only else "")
+        if budget_only and (recipe.get("train") or {}).get("lr_scheduler") == "wsd":
+            way_on = (f"\nTo train further, continue it as a new run: train.continue_from={Path(checkpoint).parent} "
+                      "run_name=<a new name> train.max_steps=<the new total> (it goes on from the end of this run's "
+                      "stable phase with the next unseen sample; docs/configuration.md, \"Training longer\").")
         raise RunMismatchError(
             f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems) + way_on
             + "\nUse another run name, or overwrite=true to start this run afresh."
@@ -125,7 +131,9 @@ def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: di
     return str(checkpoint)
 
 
-def _resume_differences(recipe: dict, identity: dict, checkpoint: Path, student: dict | None) -> list[str]:
+def resume_differences(recipe: dict, identity: dict, checkpoint: Path, student: dict | None) -> list[str]:
+    """How ``checkpoint``'s run (its folder's ``run.json`` and its data identity) differs from this
+    run's ``recipe``, data ``identity`` and ``student``, one line each."""
     problems = []
     run_file = checkpoint.parent / RUN_NAME
     if run_file.is_file():
@@ -163,7 +171,7 @@ def prepare_run_folder(output_dir: str, overwrite: bool, checkpoint: str | None,
         shutil.rmtree(path)
     if overwrite and out.is_dir():
         for path in out.iterdir():
-            if path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, "runs"):
+            if path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, STABLE_NAME, "runs"):
                 shutil.rmtree(path)
             elif path.name in (RUN_NAME, METRICS_NAME, "summary.json"):
                 path.unlink()

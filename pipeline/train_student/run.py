@@ -31,6 +31,7 @@ from typing import Mapping
 import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 
+from pipeline.bits_per_byte import TEXT_SUFFIXES, shard_documents, text_file_documents
 from pipeline.config import (
     ConfigError,
     build,
@@ -62,6 +63,13 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
     save_final,
     trainer_state,
 )
+from pipeline.train_student.continuation import (
+    CONTINUE_NEEDS_WSD,
+    continuation_checkpoint,
+    continuation_problems,
+    start_from_source,
+)
+from pipeline.train_student.schedule import SCHEDULES, schedule_callbacks, schedule_problems, scheduler_arguments
 from pipeline.train_student.several_teachers import TeacherMetrics
 from pipeline.train_student.trainer import (
     CheckpointRecordCallback,
@@ -163,10 +171,28 @@ class TrainConfig:
     torch_compile: bool = False
     cpu_threads: int | None = None  # torch intra-op threads while training (None: torch's default)
     max_nonfinite_in_a_row: int = 5  # skipped (non-finite) optimizer steps in a row before the run stops
+    lr_scheduler: str = "cosine"  # cosine: to min_learning_rate over the whole run | wsd: warm-up, stable, decay
+    lr_decay_share: float = 0.2  # wsd: the decay's share of the run's steps
+    lr_decay_steps: int | None = None  # wsd: the decay's length in steps (instead of lr_decay_share)
+    continue_from: str | None = None  # a wsd run's folder: this run continues it from the end of its stable phase
+    eval_every: int | None = None  # held-out bits per byte every N optimizer steps (and at the end)
+    eval_texts: list[str] = field(default_factory=list)  # .txt/.jsonl files (none: data.held_out_shards' documents)
+    eval_max_documents: int | None = None  # the first N held-out documents (None: all)
+    eval_batch_size: int = 8  # blocks per forward pass of the evaluation
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "precision", self.precision, PRECISIONS)
+        check_choice(found, "lr_scheduler", self.lr_scheduler, SCHEDULES)
+        if not 0 < self.lr_decay_share < 1:
+            found.append(f"lr_decay_share: {self.lr_decay_share} is not in (0, 1)")
+        for name in ("lr_decay_steps", "eval_every", "eval_max_documents", "eval_batch_size"):
+            check_at_least(found, name, getattr(self, name), 1)
+        found += [f"eval_texts: {path}: not a .txt or .jsonl file" for path in self.eval_texts
+                  if Path(path).suffix not in TEXT_SUFFIXES]
+        if self.continue_from is not None and self.lr_scheduler != "wsd":
+            found.append(f"continue_from: a continuation follows the wsd schedule (train.lr_scheduler=wsd), not "
+                         f"{self.lr_scheduler}: {CONTINUE_NEEDS_WSD}")
         check_choice(found, "save_dtype", self.save_dtype, SAVE_DTYPES)
         for name in ("micro_batch_size", "logging_steps", "save_steps", "max_nonfinite_in_a_row", "max_steps",
                      "max_tokens", "gradient_accumulation_steps", "global_batch_tokens", "save_total_limit"):
@@ -183,7 +209,10 @@ class TrainConfig:
 
 # Train settings that do not change what is computed: they may differ on a resume.
 OPERATIONAL = ("logging_steps", "save_steps", "save_total_limit", "resume", "progress", "report_to",
-               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads", "max_nonfinite_in_a_row", "save_dtype")
+               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads", "max_nonfinite_in_a_row", "save_dtype",
+               "eval_every", "eval_texts", "eval_max_documents", "eval_batch_size")
+# A cosine run's recipe leaves these out, so that it reads as it did before wsd existed.
+WSD_KEYS = ("lr_scheduler", "lr_decay_share", "lr_decay_steps")
 
 
 @dataclass(frozen=True)
@@ -196,6 +225,14 @@ class TrainJobConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)  # the config's loss.mode, ratio, ...
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)  # loss.alignment, aggregate, n_chunks
 
+    def problems(self) -> list[str]:
+        """Problems that involve more than one group."""
+        t = self.train
+        if t.eval_every is not None and not t.eval_texts and not self.data.held_out_shards:
+            return ["train.eval_every: no held-out text to evaluate on; hold shards out (data.held_out_shards=N) or "
+                    "give text files (train.eval_texts=[...])"]
+        return []
+
     def recipe(self) -> dict:
         """What a resumed run must share with the interrupted one (``run.json``)."""
         data = {k: v for k, v in asdict(self.data).items()
@@ -203,7 +240,9 @@ class TrainJobConfig:
                              "missing_documents",  # several teachers: in the data identity
                              "held_out_shards",  # in the data identity (shards_held_out)
                              "token_ratio_bound")}
-        train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL}
+        train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL
+                 and k != "continue_from"  # where it started; its own checkpoints hold the state
+                 and not (k in WSD_KEYS and self.train.lr_scheduler == "cosine")}
         student = {k: v for k, v in asdict(self.student).items() if k != "name"}
         loss = {**asdict(self.selection), "aggregate": self.alignment.aggregate,
                 "alignment": self.alignment.method, "n_chunks": self.alignment.n_chunks}
@@ -218,6 +257,7 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
                         ("loss", job.selection)):
         p += [f"{where}.{line}" for line in part.problems()]
     p += [f"loss.{line.replace('method:', 'alignment:', 1)}" for line in job.alignment.problems()]
+    p += job.problems()
     try:
         batch_geometry(job, world_size)
     except ValueError as exc:
@@ -274,6 +314,10 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
         data_values = values.get("data") or {}
         problems += file_problems(data_values.get("folders"), student_values.get("model"),
                                   embedded_student=bool(student_values.get("embedded")))
+        train_values = values.get("train") or {}
+        problems += continuation_problems(train_values.get("continue_from"), str(values.get("output_dir", "")))
+        problems += [f"train.eval_texts: text file not found: {path}" for path in train_values.get("eval_texts") or []
+                     if isinstance(path, str) and Path(path).suffix in TEXT_SUFFIXES and not Path(path).is_file()]
     raise_if(problems)
     embedded = bool(student_values.get("embedded"))
     model = job.student.model
@@ -369,32 +413,42 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
     with args.main_process_first(local=True, desc="student identity"):
         student = model_identity(job.student.model, job.student.revision)  # digests cached for the other ranks
     args.max_steps = _number_of_steps(job, data, world_size, accumulation, tokens_per_step)
+    raise_if(schedule_problems(job.train, args.max_steps))
+    for key, value in scheduler_arguments(job.train, args.max_steps).items():
+        setattr(args, key, value)
     data.dataset.end = args.max_steps * job.train.micro_batch_size * world_size * accumulation  # samples trained
     identity = data.identity(fingerprint(tokenizer), _packing(job))
     if job.data.held_out_shards:  # only then: the identity of every other run stays as it was
         identity["shards_held_out"] = held_out_record(data.scored.folders[0], job.data.held_out_shards)
+    held_out = held_out_texts(job, data)
 
     if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
         lock.enter_context(exclusive_writer(job.output_dir, what="training run"))
     checkpoint = resolve_checkpoint(job.output_dir, job.train.resume, job.overwrite, job.recipe(), identity, student)
+    continued = None  # a new continuation: it starts from the source run's stable checkpoint
+    if checkpoint is None and job.train.continue_from:
+        checkpoint = continued = continuation_checkpoint(job, identity, student, args.max_steps)
     with args.main_process_first(local=False, desc="run folder"):
         if args.process_index == 0:
             prepare_run_folder(job.output_dir, job.overwrite, checkpoint, job.recipe(), student)
+            if continued:
+                start_from_source(job.train.continue_from, job.output_dir, continued)
 
-    trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks)
+    trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks, held_out)
     final = save_final(trainer, job.output_dir, identity, final_dtype(job.train))
     return _summary(job, trainer, data, checkpoint, start_step, tokens_per_step, final, time.perf_counter() - t0)
 
 
 def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, data: StudentData, identity: dict,
-               callbacks: list | None):
+               callbacks: list | None, held_out: list[str] | None = None):
     """Load the student and train it from ``checkpoint`` (or from scratch) to ``args.max_steps``.
 
     A checkpoint already at ``max_steps`` is a finished run: its weights are loaded and nothing is
     trained (the HF Trainer would otherwise train one step past the end). The count of skipped
     non-finite steps continues from the checkpoint's; a run stopped by too many of them in a row
-    raises :class:`NonFiniteLossError` (after its checkpoint is saved). Returns the trainer and the
-    step it started from.
+    raises :class:`NonFiniteLossError` (after its checkpoint is saved). ``held_out``: the texts of
+    the evaluation while training (:func:`held_out_texts`). Returns the trainer and the step it
+    started from.
     """
 
     start_step = checkpoint_step(checkpoint)
@@ -402,7 +456,8 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     student = replace(job.student, model=checkpoint, revision=None) if finished else job.student
     guard = NonFiniteGuard(max_in_a_row=job.train.max_nonfinite_in_a_row)
     guard.restore(read_guard_state(checkpoint))
-    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks)
+    trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks,
+                       held_out)
     if finished:
         log.info("%s is at step %d of %d: nothing to train", checkpoint, start_step, args.max_steps)
         trainer.state.log_history = trainer_state(checkpoint).get("log_history", [])
@@ -436,6 +491,26 @@ def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData:
     return build_student_data(scored, tokenizer, _packing(job), job.alignment, cache_dir=d.cache_dir,
                               num_proc=d.length_workers, on_bad_shard=d.on_bad_shard,
                               missing_documents=d.missing_documents)
+
+
+def held_out_texts(job: TrainJobConfig, data: StudentData) -> list[str] | None:
+    """The documents ``train.eval_every`` measures bits per byte on (None: no evaluation): those of
+    ``train.eval_texts``, else of the shards ``data.held_out_shards`` holds out, at most
+    ``train.eval_max_documents``, empty ones left out."""
+    t = job.train
+    if t.eval_every is None:
+        return None
+    if t.eval_texts:
+        texts = [text for path in t.eval_texts for text in text_file_documents(path) if text]
+        where = f"train.eval_texts ({', '.join(t.eval_texts)})"
+    else:
+        folder = data.scored.folders[0]
+        files = [e["file"] for e in held_out_entries(folder, job.data.held_out_shards)]
+        texts = shard_documents(ScoredDataset.open(folder.path), files, t.eval_max_documents)
+        where = f"the held-out shards of {folder.path} ({', '.join(files)})"
+    if not texts:
+        raise ConfigError(f"train.eval_every: {where} hold no document to evaluate on")
+    return texts[: t.eval_max_documents]
 
 
 def held_out_entries(folder: ScoredFolder, n: int) -> list[dict]:
@@ -615,8 +690,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         gradient_accumulation_steps=accumulation,
         max_steps=max_steps,
         learning_rate=t.learning_rate,
-        lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr": t.min_learning_rate},
+        **scheduler_arguments(t, max_steps),
         warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1,
@@ -643,19 +717,21 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         dataloader_drop_last=True,
         remove_unused_columns=False,
         label_names=["labels"],
-        eval_strategy="no",
+        **({"eval_strategy": "steps", "eval_steps": t.eval_every} if t.eval_every else {"eval_strategy": "no"}),
     )
 
 
-def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks):
+def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks, held_out=None):
     return GuidedTrainer(
         model=model,
         args=args,
         train_dataset=data.dataset,
+        eval_dataset=held_out,
+        eval_batch_size=job.train.eval_batch_size,
         data_collator=collate_packed,
         processing_class=tokenizer,
         callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME), CheckpointRecordCallback(identity, guard),
-                   *(callbacks or [])],
+                   *schedule_callbacks(job.train, args.max_steps), *(callbacks or [])],
         selection=job.selection,
         seed=job.train.seed,
         guard=guard,
