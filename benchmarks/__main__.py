@@ -46,6 +46,9 @@ CASE_MEASURES = {
     "export": [("export_throughput", "export-student throughput per core / tokenization alone (tokens per CPU-s)",
                 "target", ">="),
                ("export_memory", "memory growth, export-student (peak RSS, more shards / one)", "memory_target", "<=")],
+    "held_out_eval": [("held_out_eval_speed", "held-out bits per byte / bare forward (tokens/s)", "target", ">="),
+                      ("held_out_eval_cost", "evaluation while training / training time (embedded recipe)",
+                       "cost_target", "<=")],
 }
 
 
@@ -131,6 +134,8 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
 
         artifacts = to_absolute_path(inputs.cfg.artifacts_dir)
         return case.run(case_cfg, work, ensure_tiny_teacher(artifacts), [str(f) for f in ensure_sample_corpus(artifacts)])
+    if name == "held_out_eval":
+        return case.run(case_cfg, work, to_absolute_path(inputs.cfg.artifacts_dir), inputs.scored_dataset())
     raise ValueError(f"unknown case {name!r}")
 
 

@@ -229,8 +229,8 @@ class TrainJobConfig:
         """Problems that involve more than one group."""
         t = self.train
         if t.eval_every is not None and not t.eval_texts and not self.data.held_out_shards:
-            return ["train.eval_every: no held-out text to evaluate on; hold shards out (data.held_out_shards=N) or "
-                    "give text files (train.eval_texts=[...])"]
+            return ["train.eval_every: no held-out text to evaluate on; hold shards out (data.held_out_shards=N), "
+                    "give text files (train.eval_texts=[...]) or turn the evaluation off (train.eval_every=null)"]
         return []
 
     def recipe(self) -> dict:
@@ -381,6 +381,7 @@ class TrainSummary:
     data: dict  # plan summary, shards used/skipped, alignment
     last_log: dict
     nonfinite_steps: list[int] = field(default_factory=list)  # optimizer steps skipped (whole run)
+    evaluations: list[dict] = field(default_factory=list)  # train.eval_every: {step, eval_bits_per_byte, ...}
 
     @property
     def tokens_per_s(self) -> float:
@@ -478,6 +479,7 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
         data=data.summary(),
         last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
         nonfinite_steps=list(trainer.guard.skipped),
+        evaluations=[r for r in trainer.state.log_history if "eval_bits_per_byte" in r],
     )
 
 

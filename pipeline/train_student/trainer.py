@@ -295,7 +295,7 @@ class GuidedTrainer(Trainer):
         model, t0 = self.model, time.perf_counter()
         training = model.training
         try:
-            with self.autocast_smart_context_manager():
+            with self.accelerator.autocast():  # the training's mixed precision, if any
                 losses = text_losses(model, self.processing_class, texts[self.args.process_index::self.args.world_size],
                                      window=default_window(model), batch_size=self.eval_batch_size)
         finally:

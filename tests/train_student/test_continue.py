@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,6 +87,25 @@ def test_wsd_schedule_and_its_stable_checkpoint(tiny_student, micro_scored, tmp_
     # a cosine run keeps none, and its recipe reads as before wsd existed
     cosine = make_job(tiny_student, micro_scored, tmp_path / "cosine", 2)
     assert not {"lr_scheduler", "lr_decay_share", "lr_decay_steps", "continue_from"} & set(cosine.recipe()["train"])
+
+
+def test_stable_checkpoint_missed_by_a_kill_is_kept_on_resume_and_overwrite_removes_it(tiny_student, micro_scored,
+                                                                                        tmp_path):
+    """A run killed after the stable step's checkpoint was saved but before its copy (played by
+    removing ``stable/`` after a crash at step 3) makes the copy when it resumes; ``overwrite=true``
+    removes it with the checkpoints."""
+    from tests.train_student.test_train_student import CrashAt
+
+    job = wsd_job(tiny_student, micro_scored, tmp_path / "run", steps=4)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(job, callbacks=[CrashAt(3)])
+    run = Path(job.output_dir)
+    shutil.rmtree(run / "stable")
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert run_training(job).resumed_from.endswith("checkpoint-2")
+    assert json.loads((run / "stable" / "trainer_state.json").read_text())["global_step"] == 2
+    run_training(replace(job, overwrite=True, train=replace(job.train, lr_scheduler="cosine")))
+    assert not (run / "stable").exists(), "a cosine run started afresh in the folder keeps no stable checkpoint"
 
 
 def test_a_continuation_equals_one_longer_run(tiny_student, micro_scored, tmp_path, monkeypatch):

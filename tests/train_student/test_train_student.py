@@ -234,6 +234,7 @@ def test_paper_experiments_pin_the_recipe(experiment):
     assert (job.selection.mode, job.selection.ratio, job.alignment.aggregate, job.selection.unmapped) == (
         "guided", 0.4, "max", "include")
     assert (job.train.learning_rate, job.train.min_learning_rate) == (8e-5, 8e-6)
+    assert (job.train.lr_scheduler, job.data.held_out_shards, job.train.eval_every) == ("cosine", 0, None)
     assert batch_geometry(job, world_size=8) == (16, 2**21)  # 8 GPUs x 8 x 2048 x 16 = 2M tokens
     assert (job.train.max_tokens, job.train.max_steps, job.data.epochs) == (None, None, 1)  # one pass over the data
     assert job.output_dir.endswith(f"outputs/students/open-web-math/tinyllama-1.1b-{teacher}-guided")
