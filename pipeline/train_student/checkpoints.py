@@ -120,10 +120,13 @@ def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: di
             f"\nTo train further, start a new run from this one's model: student.model={Path(checkpoint).parent / 'final'}"
             " student.embedded=false output_dir=<a new folder> (the learning-rate schedule starts again; "
             "docs/configuration.md, \"Training longer\")." if budget_only else "")
-        if budget_only and (recipe.get("train") or {}).get("lr_scheduler") == "wsd":
+        train = recipe.get("train") or {}
+        if budget_only and train.get("lr_scheduler") == "wsd":
+            length = next((f"train.{k}={train[k]}" for k in ("max_steps", "max_tokens") if train.get(k) is not None),
+                          "train.max_steps=<the new total>")
             way_on = (f"\nTo train further, continue it as a new run: train.continue_from={Path(checkpoint).parent} "
-                      "run_name=<a new name> train.max_steps=<the new total> (it goes on from the end of this run's "
-                      "stable phase with the next unseen sample; docs/configuration.md, \"Training longer\").")
+                      f"run_name=<a new name> {length} (it goes on from the end of this run's stable phase with the "
+                      "next unseen sample; docs/configuration.md, \"Training longer\").")
         raise RunMismatchError(
             f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems) + way_on
             + "\nUse another run name, or overwrite=true to start this run afresh."

@@ -3,8 +3,11 @@
 :func:`run_training` reads as its steps: resolve the batch geometry, open and validate the scored
 data, refuse a length the scored data cannot hold (:func:`check_token_budget`, before the token
 count), load the student's tokenizer and plan the packed samples (docs/METHOD.md §2.4), check the run
-folder (resume or refuse, :mod:`pipeline.train_student.checkpoints`), load the student, train with
-:class:`pipeline.train_student.trainer.GuidedTrainer`, save the final model. Everything that can fail
+folder (resume or refuse, :mod:`pipeline.train_student.checkpoints`; or continue another run,
+:mod:`pipeline.train_student.continuation`), load the student, train with
+:class:`pipeline.train_student.trainer.GuidedTrainer` (the schedule:
+:mod:`pipeline.train_student.schedule`; held-out bits per byte every ``train.eval_every`` steps),
+save the final model. Everything that can fail
 on bad input fails before the model is loaded. Resuming restores weights, optimizer, schedule, RNG
 and data position, so a run killed at any moment and resumed logs the per-step losses of an
 uninterrupted one (docs/METHOD.md §2.5).

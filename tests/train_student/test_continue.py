@@ -181,7 +181,8 @@ def test_continuations_that_would_not_equal_one_run_are_refused(tiny_student, mi
     after = {p.name: file_sha256(p) for p in Path(first.output_dir).rglob("*") if p.is_file()}
     assert after == before, "the source run is never written"
     # the finished run, asked for more steps, names the way on
-    with pytest.raises(RunMismatchError, match=rf"continue it as a new run: train.continue_from={first.output_dir} "):
+    with pytest.raises(RunMismatchError, match=rf"continue it as a new run: train.continue_from={first.output_dir} "
+                                               r"run_name=<a new name> train.max_steps=6 "):
         run_training(replace(first, train=replace(first.train, max_steps=6)))
 
 
