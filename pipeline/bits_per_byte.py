@@ -9,8 +9,9 @@ tokenizer without one, its EOS, the separator between documents in training), an
 than ``window`` tokens is cut into blocks that each carry the previous block's last token as their
 first input, so each token is predicted exactly once with up to ``window`` tokens of context.
 Blocks of similar length share a forward pass, padded on the right and without an attention mask
-(attention is causal, so no real token sees the padding). Losses are float32 log-softmax (whatever
-the model's dtype), summed per text in float64.
+(attention is causal, so no real token sees the padding), and each block's loss is taken over its
+own predictions only, never over the padding. Losses are float32 log-softmax (whatever the model's
+dtype), summed per text in float64.
 
 :func:`summarize` gives the statistics the reproduction reports: bits per byte overall (total bits
 over total bytes), nats per token, and the per-document bits per byte with its mean and a 95%
@@ -93,17 +94,16 @@ def text_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch
             batch = work[i: i + batch_size]
             width = max(len(b) for b, _ in batch)
             x = torch.zeros(len(batch), width, dtype=torch.long)
-            target = torch.full((len(batch), width), -100, dtype=torch.long)  # (B, T): the next token, or ignored
             for r, (b, _) in enumerate(batch):
                 x[r, : len(b)] = torch.tensor(b)
-                target[r, : len(b) - 1] = torch.tensor(b[1:])
+            x = x.to(device)
             # No attention mask: the padding is on the right and attention is causal, so no real token
             # sees it, and without a mask the attention takes its causal fast path.
-            logits = model(input_ids=x.to(device)).logits  # (B, T, V)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.to(device).reshape(-1),
-                                   ignore_index=-100, reduction="none").view(len(batch), width)  # (B, T), 0 where ignored
-            for (_, owner), row in zip(batch, loss.sum(dim=1, dtype=torch.float64).tolist()):
-                nats[owner] += row
+            logits = model(input_ids=x).logits  # (B, T, V)
+            for r, (b, owner) in enumerate(batch):  # each row's own predictions: no work on the padding
+                n = len(b) - 1
+                loss = F.cross_entropy(logits[r, :n].float(), x[r, 1: n + 1], reduction="none")  # (n,)
+                nats[owner] += loss.sum(dtype=torch.float64).item()
     return [TextLoss(nats=n, n_bytes=len(t.encode("utf-8")), n_tokens=len(ids))
             for n, t, ids in zip(nats, texts, encoded)]
 
