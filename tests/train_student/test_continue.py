@@ -208,11 +208,19 @@ def test_held_out_bits_per_byte_while_training(tiny_student, micro_scored, tmp_p
     plain = replace(plain, data=replace(plain.data, held_out_shards=1))
     run_training(plain)
     evaluated = replace(plain, output_dir=str(tmp_path / "eval"),
-                        train=replace(plain.train, eval_every=2, eval_max_documents=6, eval_batch_size=4))
+                        train=replace(plain.train, eval_every=2, eval_max_documents=6, eval_batch_size=4,
+                                      report_to=["tensorboard"]))
     run_training(evaluated)
     lines = [json.loads(x) for x in (Path(evaluated.output_dir) / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in lines if "eval_bits_per_byte" in r]
     assert [r["step"] for r in evals] == [2, 4]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(next((Path(evaluated.output_dir) / "runs").rglob("events.out.tfevents.*")).parent))
+    board.Reload()
+    scalars = board.Scalars("eval/bits_per_byte")
+    assert [e.step for e in scalars] == [2, 4]
+    assert [e.value for e in scalars] == pytest.approx([r["eval_bits_per_byte"] for r in evals], rel=1e-6)  # float32
     keys = ("step", "loss", "loss_kept", "learning_rate", "grad_norm", "sample_first", "sample_last")
     assert per_step(metrics(Path(evaluated.output_dir)), keys) == per_step(metrics(Path(plain.output_dir)), keys)
 
