@@ -47,15 +47,14 @@ def stable_end(train, steps: int) -> int | None:
 
 
 def schedule_problems(train, steps: int) -> list[str]:
-    """What makes a ``wsd`` schedule impossible for a run of ``steps`` optimizer steps."""
-    if train.lr_scheduler != "wsd":
+    """What makes a ``wsd`` schedule impossible for a run of ``steps`` optimizer steps: a decay as
+    long as the run. (A warm-up that reaches into the decay is allowed, as with cosine: the stable
+    phase is then empty, and the kept checkpoint lies in the warm-up, whose rates do not depend on
+    the run's length either.)"""
+    if train.lr_scheduler != "wsd" or decay_steps(train, steps) < steps:
         return []
-    decay = decay_steps(train, steps)
-    if train.warmup_steps + decay > steps:
-        return [f"train.lr_decay_steps: a warm-up of {train.warmup_steps} and a decay of {decay} steps do not fit in a "
-                f"run of {steps} steps; shorten the decay (train.lr_decay_steps or train.lr_decay_share) or the "
-                "warm-up, or train longer"]
-    return []
+    return [f"train.lr_decay_steps: a decay of {decay_steps(train, steps)} steps leaves nothing before it in a run of "
+            f"{steps} steps; shorten the decay (train.lr_decay_steps or train.lr_decay_share) or train longer"]
 
 
 def scheduler_arguments(train, steps: int) -> dict:

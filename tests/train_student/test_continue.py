@@ -192,9 +192,16 @@ def test_settings_that_cannot_continue_are_refused_up_front(tiny_student, micro_
     assert any(p.startswith("train.continue_from: a continuation follows the wsd schedule") for p in validate(cosine))
     no_text = replace(job, train=replace(job.train, eval_every=2))
     assert any(p.startswith("train.eval_every: no held-out text") for p in validate(no_text))
-    short = wsd_job(tiny_student, micro_scored, tmp_path / "short", steps=3, decay=2, warmup_steps=2)
-    with pytest.raises(ConfigError, match="a warm-up of 2 and a decay of 2 steps do not fit in a run of 3 steps"):
-        run_training(short)
+    whole = wsd_job(tiny_student, micro_scored, tmp_path / "whole", steps=3, decay=3)
+    with pytest.raises(ConfigError, match="a decay of 3 steps leaves nothing before it in a run of 3 steps"):
+        run_training(whole)
+    # a warm-up longer than the run before its decay is a ramp, as with cosine; the kept checkpoint
+    # (step 1) lies in the warm-up, whose rates do not depend on the length either
+    ramp = wsd_job(tiny_student, micro_scored, tmp_path / "ramp", steps=3, decay=2, warmup_steps=20)
+    run_training(ramp)
+    assert [r["learning_rate"] for r in metrics(Path(ramp.output_dir))] == pytest.approx(
+        [LR * (0.1 + 0.9 * s / 20) for s in range(3)], rel=1e-9)
+    assert json.loads((Path(ramp.output_dir) / "stable" / "trainer_state.json").read_text())["global_step"] == 1
 
 
 def test_held_out_bits_per_byte_while_training(tiny_student, micro_scored, tmp_path):
