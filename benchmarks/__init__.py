@@ -38,6 +38,9 @@ case               what it measures
 ``served_teacher`` a teacher served by vLLM's OpenAI-compatible server against the in-process engine on
                    the same windows: tokens/s, the requests in flight that saturate the server; in
                    ``.venv-vllm`` (skipped without it) (:mod:`benchmarks.served_teacher`)
+``held_out_eval``  held-out bits per byte / a bare forward of the same batches (tokens/s), and what
+                   ``train.eval_every`` costs at the embedded recipe's settings
+                   (:mod:`benchmarks.held_out_eval`)
 =================  ==========================================================================
 
 :mod:`benchmarks.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
@@ -49,4 +52,4 @@ Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes 
 
 CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export",
          "vllm_backend", "served_teacher",
-         "export_data")
+         "export_data", "held_out_eval")

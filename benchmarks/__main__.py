@@ -50,6 +50,9 @@ CASE_MEASURES = {
                ("export_memory", "memory growth, export-student (peak RSS, more shards / one)", "memory_target", "<=")],
     "export_data": [("export_data_speedup", EXPORT_DATA_MEASURE, "target", ">="),
                     ("export_data_first_run", EXPORT_DATA_FIRST_RUN, None, None)],
+    "held_out_eval": [("held_out_eval_speed", "held-out bits per byte / bare forward (tokens/s)", "target", ">="),
+                      ("held_out_eval_cost", "evaluation while training / training time (embedded recipe)",
+                       "cost_target", "<=")],
 }
 
 
@@ -135,6 +138,8 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
 
         artifacts = to_absolute_path(inputs.cfg.artifacts_dir)
         return case.run(case_cfg, work, ensure_tiny_teacher(artifacts), [str(f) for f in ensure_sample_corpus(artifacts)])
+    if name == "held_out_eval":
+        return case.run(case_cfg, work, to_absolute_path(inputs.cfg.artifacts_dir), inputs.scored_dataset())
     raise ValueError(f"unknown case {name!r}")
 
 

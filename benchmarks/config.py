@@ -15,6 +15,7 @@ from benchmarks.alignment import AlignmentBenchConfig
 from benchmarks.export import ExportBenchConfig
 from benchmarks.export_data import ExportDataBenchConfig
 from benchmarks.guided_loss import GuidedLossBenchConfig
+from benchmarks.held_out_eval import HeldOutEvalBenchConfig
 from benchmarks.memory import MemoryBenchConfig
 from benchmarks.served_teacher import ServedTeacherBenchConfig
 from benchmarks.stage1 import Stage1BenchConfig
@@ -41,6 +42,7 @@ QUICK_SIZES: dict[str, Any] = {
     "export": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512, "scale": 2},
     "vllm_backend": {"n_docs": 8, "repeats": 1},
     "export_data": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
+    "held_out_eval": {"n_docs": 8, "repeats": 1, "warmup": 0, "train_steps": 6, "eval_every": 3},
 }
 
 
@@ -68,6 +70,7 @@ class BenchConfig:
     vllm_backend: VLLMBackendBenchConfig = field(default_factory=VLLMBackendBenchConfig)
     export: ExportBenchConfig = field(default_factory=ExportBenchConfig)
     export_data: ExportDataBenchConfig = field(default_factory=ExportDataBenchConfig)
+    held_out_eval: HeldOutEvalBenchConfig = field(default_factory=HeldOutEvalBenchConfig)
 
     def problems(self) -> list[str]:
         problems = [f"cases: {c!r} is not one of {', '.join(CASES)}" for c in self.cases if c not in CASES]

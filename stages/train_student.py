@@ -72,7 +72,7 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
     d, last = s.data, s.last_log
     skipped = d["shards_skipped"]
     rows = [
-        ("run", f"resumed from {Path(s.resumed_from).name}" if s.resumed_from else "from the start"),
+        ("run", started(s)),
         ("data", f"teacher {d['teacher']}: {d['shards_used']} shards, {d['n_documents']:,} documents, "
                  f"{d['n_tokens']:,} student tokens, {d['n_samples']:,} samples of {d['seq_len']}"),
         ("skipped", f"{len(skipped)} shard(s): " + ", ".join(Path(b['file']).name for b in skipped) if skipped
@@ -93,12 +93,25 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
     if last:
         rows.append(("last log", ", ".join(f"{k} {last[k]:.4g}" for k in (
             "loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "excess_loss", "learning_rate") if k in last)))
+    if s.evaluations:
+        rows.append(("held-out", ", ".join(f"step {r['step']}: {r['eval_bits_per_byte']:.4f}" for r in s.evaluations[-6:])
+                     + " bits/byte" + (f" (last 6 of {len(s.evaluations)})" if len(s.evaluations) > 6 else "")))
     show_summary("train-student", rows, [
         ("the run folder", str(s.output_dir)),
         ("the final model (AutoModelForCausalLM.from_pretrained)", str(s.final_model)),
         ("metrics, one JSON line per log", str(Path(s.output_dir) / "metrics.jsonl")),
         ("TensorBoard", f"tensorboard --logdir {shlex.quote(str(Path(s.output_dir) / 'runs'))}"),
     ], console)
+
+
+def started(s: TrainSummary) -> str:
+    """Where the run started: from the start, a checkpoint of its own, or another run's (a continuation)."""
+    if not s.resumed_from:
+        return "from the start"
+    start = Path(s.resumed_from)
+    if start.parent.resolve() == Path(s.output_dir).resolve():
+        return f"resumed from {start.name}"
+    return f"continued from {start.parent} ({start.name}/, the end of its stable phase)"
 
 
 @entry_point("train_student", config_defaults(), check=job_config)

@@ -95,6 +95,25 @@ def test_guided_loss_case_quick():
     _check_figures(run(cfg), {"guided_loss_overhead"})
 
 
+def test_held_out_eval_case_quick(tiny_student, micro_scored, tmp_path):
+    """Both parts on the micro student and data: the speed sides see the same tokens, and the cost
+    part reads the recipe's evaluation steps from a real run's metrics."""
+    from benchmarks.held_out_eval import HeldOutEvalBenchConfig, embedded_recipe, held_out_documents
+    from benchmarks.held_out_eval import measure_cost, measure_speed
+
+    cfg = HeldOutEvalBenchConfig(repeats=1, warmup=0, train_steps=4, eval_every=2)
+    texts = held_out_documents(micro_scored, 4)
+    speed = measure_speed(cfg, tiny_student, texts, batch_size=2)
+    _check_figures({"figures": [speed["figure"]]}, {"held_out_eval_speed"})
+    assert speed["tokens"] > 0 and speed["window"] == 63  # the micro student's context minus one
+    recipe = embedded_recipe()
+    assert recipe["train"]["eval_every"] and recipe["train"]["lr_scheduler"] == "wsd"
+    recipe["student"]["seq_len"] = 32  # the micro student's context is 64
+    cost = measure_cost(cfg, recipe, tiny_student, texts, micro_scored, tmp_path)
+    _check_figures({"figures": [cost["figure"]]}, {"held_out_eval_cost"})
+    assert len(cost["eval_seconds"]) == 2 and cost["recipe_evaluations"] == 4  # steps 2 and 4; 50..200
+
+
 def test_report_files_have_the_table(tmp_path):
     from benchmarks.measure import machine_info
     from benchmarks.results import figure, write_report

@@ -26,20 +26,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import UserError, check_at_least
+from pipeline.bits_per_byte import (  # noqa: F401  (HeldOutTextError: what reading a text file raises)
+    TEXT_SUFFIXES,
+    HeldOutTextError,
+    shard_documents,
+    text_file_documents,
+)
+from pipeline.config import check_at_least
 from storage_schemas import ContractError
-from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset
 
 # The run's data identity in each of its checkpoints and in final/ (written by stage 2:
 # pipeline/train_student/checkpoints.py DATA_IDENTITY_NAME; a test keeps the two equal).
 RUN_DATA_IDENTITY = "data_identity.json"
-TEXT_SUFFIXES = (".txt", ".jsonl")
 UNKNOWN = "unknown: the checkpoint is not a train-student run (no data_identity.json), so which documents it trained on is not known"
-
-
-class HeldOutTextError(UserError, ValueError):
-    """A held-out text file that cannot be read; the message names the file (and line)."""
 
 
 @dataclass(frozen=True)
@@ -171,46 +171,17 @@ def read_documents(held: HeldOutText) -> tuple[list[str], list[dict]]:
     sources: list[dict] = []
     limit = held.max_documents
     for path in held.text_files:
-        found = [t for t in _text_file(Path(path)) if t]
+        found = [t for t in text_file_documents(path) if t]
         taken = found[: None if limit is None else max(0, limit - len(texts))]
         texts += taken
         sources.append({"kind": "text_file", "path": str(path), "documents": len(taken)})
     if held.scored is not None:
-        dataset = ScoredDataset.open(held.scored)
-        wanted = set(held.shards)
-        shards = [s for s in dataset.shards if sfs.name(s.path) in wanted]
-        part = ScoredDataset(folders=dataset.folders, shards=shards)
-        taken = []
-        for record in part.iter_documents():
-            if limit is not None and len(texts) + len(taken) >= limit:
-                break
-            if record.text:
-                taken.append(record.text)
+        taken = shard_documents(ScoredDataset.open(held.scored), held.shards,
+                                None if limit is None else max(0, limit - len(texts)))
         texts += taken
         sources.append({"kind": "scored", "folder": str(held.scored), "shards": list(held.shards),
                         "documents": len(taken), "trained_on": held.trained_on})
     return texts, sources
-
-
-def _text_file(path: Path) -> list[str]:
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HeldOutTextError(f"{path}: cannot be read as UTF-8 text ({exc})") from None
-    if path.suffix == ".txt":
-        return [raw]
-    texts = []
-    for number, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise HeldOutTextError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise HeldOutTextError(f"{path}:{number}: expected an object with a \"text\" string")
-        texts.append(row["text"])
-    return texts
 
 
 def text_digest(texts: list[str]) -> str:

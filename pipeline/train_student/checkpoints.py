@@ -3,7 +3,8 @@ checkpoint or the final model complete (docs/METHOD.md §2.5).
 
 A run folder holds ``run.json`` (the recipe and the student's identity), ``checkpoint-<step>/``
 (the Trainer's files, ``data_identity.json`` and, written last, ``checkpoint_complete.json``),
-``metrics.jsonl``, ``runs/`` (TensorBoard), ``final/`` (written under a temporary name and
+``metrics.jsonl``, ``runs/`` (TensorBoard), ``stable/`` (a ``wsd`` run's checkpoint at the end of its
+stable phase), ``final/`` (written under a temporary name and
 renamed, so it is whole or absent) and ``summary.json``.
 
 A checkpoint without its completion marker was being written when the process died: it is never
@@ -31,19 +32,21 @@ log = logging.getLogger(__name__)
 
 RUN_NAME = "run.json"
 FINAL_NAME = "final"
+STABLE_NAME = "stable"  # a wsd run's checkpoint at the end of its stable phase (pipeline.train_student.schedule)
 METRICS_NAME = "metrics.jsonl"
 DATA_IDENTITY_NAME = "data_identity.json"
 COMPLETE_NAME = "checkpoint_complete.json"
 SUMMARY_NAME = "summary.json"
 TENSORBOARD_NAME = "runs"
 # What overwrite=true replaces, said in every message that suggests it (the folder's other files stay).
-OVERWRITE_DELETES = ("overwrite=true starts this run afresh: it deletes this run's checkpoints, final/, metrics.jsonl, "
+OVERWRITE_DELETES = ("overwrite=true starts this run afresh: it deletes this run's checkpoints, stable/, final/, metrics.jsonl, "
                      "summary.json and TensorBoard logs (runs/), once the new run has saved its first checkpoint")
 
 
 def is_run_entry(path: Path) -> bool:
     """An entry of a run folder that belongs to the run (what ``overwrite=true`` replaces)."""
-    return (path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, f".{FINAL_NAME}.tmp", TENSORBOARD_NAME,
+    return (path.name.startswith("checkpoint-") or path.name in (FINAL_NAME, f".{FINAL_NAME}.tmp", STABLE_NAME,
+                                                                   f".{STABLE_NAME}.tmp", TENSORBOARD_NAME,
                                                                    RUN_NAME, METRICS_NAME, SUMMARY_NAME))
 
 
@@ -124,31 +127,40 @@ def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: di
     if not is_complete_checkpoint(checkpoint):
         raise RunMismatchError(f"cannot resume {checkpoint}: it is incomplete (no checkpoint_complete.json; the "
                                "process died while saving it). Resume from an earlier checkpoint.")
-    problems = _resume_differences(recipe, identity, Path(checkpoint), student)
+    problems = resume_differences(recipe, identity, Path(checkpoint), student)
     if problems:
         budget_only = all(p.startswith(("recipe train.max_steps:", "recipe train.max_tokens:")) for p in problems)
         raise RunMismatchError(
             f"cannot resume {checkpoint}: it belongs to a different run\n  " + "\n  ".join(problems) + "\n"
-            + "\n".join(ways_on(Path(checkpoint), budget_only))
+            + "\n".join(ways_on(Path(checkpoint), budget_only, recipe))
         )
     return str(checkpoint)
 
 
-def ways_on(checkpoint: Path, longer: bool) -> list[str]:
+def ways_on(checkpoint: Path, longer: bool, recipe: dict | None = None) -> list[str]:
     """What a refused resume can do instead, one line each: with ``longer`` (only the length
-    changed), a new run from this one's final model first; then another run name, or
-    ``overwrite=true`` with what it deletes."""
+    changed), a continuation of a ``wsd`` run (:mod:`pipeline.train_student.continuation`), else a new
+    run from this one's final model; then another run name, or ``overwrite=true`` with what it deletes."""
     ways = []
-    if longer:
+    train = (recipe or {}).get("train") or {}
+    if longer and train.get("lr_scheduler") == "wsd":
+        length = next((f"train.{k}={train[k]}" for k in ("max_steps", "max_tokens") if train.get(k) is not None),
+                      "train.max_steps=<the new total>")
+        ways.append(f"To train further, continue it as a new run: {override('train.continue_from', checkpoint.parent)} "
+                    f"run_name=<a new name> {length} (it goes on from the end of this run's stable phase with the "
+                    "next unseen sample; docs/configuration.md, \"Training longer\").")
+    elif longer:
         ways.append(f"To train further, start a new run from this one's model: "
                     f"{override('student.model', checkpoint.parent / FINAL_NAME)}"
                     " student.embedded=false run_name=<a new name> (or output_dir=<a new folder>; the learning-rate "
-                    "schedule starts again; docs/configuration.md, \"Resuming, and training longer\").")
+                    "schedule starts again; docs/configuration.md, \"Training longer\").")
     ways.append(f"Or use another run name (run_name=<a new name>); or {OVERWRITE_DELETES}.")
     return ways
 
 
-def _resume_differences(recipe: dict, identity: dict, checkpoint: Path, student: dict | None) -> list[str]:
+def resume_differences(recipe: dict, identity: dict, checkpoint: Path, student: dict | None) -> list[str]:
+    """How ``checkpoint``'s run (its folder's ``run.json`` and its data identity) differs from this
+    run's ``recipe``, data ``identity`` and ``student``, one line each."""
     problems = []
     run_file = checkpoint.parent / RUN_NAME
     if run_file.is_file():

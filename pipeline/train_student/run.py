@@ -3,8 +3,11 @@
 :func:`run_training` reads as its steps: resolve the batch geometry, open and validate the scored
 data, refuse a length the scored data cannot hold (:func:`check_token_budget`, before the token
 count), load the student's tokenizer and plan the packed samples (docs/METHOD.md §2.4), check the run
-folder (resume or refuse, :mod:`pipeline.train_student.checkpoints`), load the student, train with
-:class:`pipeline.train_student.trainer.GuidedTrainer`, save the final model. Everything that can fail
+folder (resume or refuse, :mod:`pipeline.train_student.checkpoints`; or continue another run,
+:mod:`pipeline.train_student.continuation`), load the student, train with
+:class:`pipeline.train_student.trainer.GuidedTrainer` (the schedule:
+:mod:`pipeline.train_student.schedule`; held-out bits per byte every ``train.eval_every`` steps),
+save the final model. Everything that can fail
 on bad input fails before the model is loaded. Resuming restores weights, optimizer, schedule, RNG
 and data position, so a run killed at any moment and resumed logs the per-step losses of an
 uninterrupted one (docs/METHOD.md §2.5).
@@ -31,6 +34,7 @@ from typing import Mapping
 import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 
+from pipeline.bits_per_byte import TEXT_SUFFIXES, shard_documents, text_file_documents
 from pipeline.config import (
     ConfigError,
     build,
@@ -75,6 +79,13 @@ from pipeline.train_student.mixture import (
     mixture_problems,
     recipe_of,
 )
+from pipeline.train_student.continuation import (
+    CONTINUE_NEEDS_WSD,
+    continuation_checkpoint,
+    continuation_problems,
+    start_from_source,
+)
+from pipeline.train_student.schedule import SCHEDULES, schedule_callbacks, schedule_problems, scheduler_arguments
 from pipeline.train_student.several_teachers import TeacherMetrics
 from pipeline.train_student.trackers import tracker_callbacks, tracker_problems
 from pipeline.train_student.trainer import (
@@ -196,10 +207,28 @@ class TrainConfig:
     torch_compile: bool = False
     cpu_threads: int | None = None  # torch intra-op threads while training (None: torch's default)
     max_nonfinite_in_a_row: int = 5  # skipped (non-finite) optimizer steps in a row before the run stops
+    lr_scheduler: str = "cosine"  # cosine: to min_learning_rate over the whole run | wsd: warm-up, stable, decay
+    lr_decay_share: float = 0.2  # wsd: the decay's share of the run's steps
+    lr_decay_steps: int | None = None  # wsd: the decay's length in steps (instead of lr_decay_share)
+    continue_from: str | None = None  # a wsd run's folder: this run continues it from the end of its stable phase
+    eval_every: int | None = None  # held-out bits per byte every N optimizer steps (and at the end)
+    eval_texts: list[str] = field(default_factory=list)  # .txt/.jsonl files (none: data.held_out_shards' documents)
+    eval_max_documents: int | None = None  # the first N held-out documents (None: all)
+    eval_batch_size: int = 8  # blocks per forward pass of the evaluation
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "precision", self.precision, PRECISIONS)
+        check_choice(found, "lr_scheduler", self.lr_scheduler, SCHEDULES)
+        if not 0 < self.lr_decay_share < 1:
+            found.append(f"lr_decay_share: {self.lr_decay_share} is not in (0, 1)")
+        for name in ("lr_decay_steps", "eval_every", "eval_max_documents", "eval_batch_size"):
+            check_at_least(found, name, getattr(self, name), 1)
+        found += [f"eval_texts: {path}: not a .txt or .jsonl file" for path in self.eval_texts
+                  if Path(path).suffix not in TEXT_SUFFIXES]
+        if self.continue_from is not None and self.lr_scheduler != "wsd":
+            found.append(f"continue_from: a continuation follows the wsd schedule (train.lr_scheduler=wsd), not "
+                         f"{self.lr_scheduler}: {CONTINUE_NEEDS_WSD}")
         check_choice(found, "save_dtype", self.save_dtype, SAVE_DTYPES)
         for name in ("micro_batch_size", "logging_steps", "save_steps", "max_nonfinite_in_a_row", "max_steps",
                      "max_tokens", "gradient_accumulation_steps", "global_batch_tokens", "save_total_limit"):
@@ -217,7 +246,10 @@ class TrainConfig:
 
 # Train settings that do not change what is computed: they may differ on a resume.
 OPERATIONAL = ("logging_steps", "save_steps", "save_total_limit", "resume", "progress", "report_to",
-               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads", "max_nonfinite_in_a_row", "save_dtype")
+               "ddp_backend", "ddp_timeout", "torch_compile", "cpu_threads", "max_nonfinite_in_a_row", "save_dtype",
+               "eval_every", "eval_texts", "eval_max_documents", "eval_batch_size")
+# A cosine run's recipe leaves these out, so that it reads as it did before wsd existed.
+WSD_KEYS = ("lr_scheduler", "lr_decay_share", "lr_decay_steps")
 
 
 @dataclass(frozen=True)
@@ -230,6 +262,14 @@ class TrainJobConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)  # the config's loss.mode, ratio, ...
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)  # loss.alignment, aggregate, n_chunks
 
+    def problems(self) -> list[str]:
+        """Problems that involve more than one group."""
+        t = self.train
+        if t.eval_every is not None and not t.eval_texts and not self.data.held_out_shards:
+            return ["train.eval_every: no held-out text to evaluate on; hold shards out (data.held_out_shards=N), "
+                    "give text files (train.eval_texts=[...]) or turn the evaluation off (train.eval_every=null)"]
+        return []
+
     def recipe(self) -> dict:
         """What a resumed run must share with the interrupted one (``run.json``)."""
         data = {k: v for k, v in asdict(self.data).items()
@@ -240,7 +280,9 @@ class TrainJobConfig:
                              "mixture", "export")}  # where the data is; the identity pins what it holds
         if self.data.mixture:
             data["mixture"] = recipe_of(self.data.mixture)
-        train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL}
+        train = {k: v for k, v in asdict(self.train).items() if k not in OPERATIONAL
+                 and k != "continue_from"  # where it started; its own checkpoints hold the state
+                 and not (k in WSD_KEYS and self.train.lr_scheduler == "cosine")}
         student = {k: v for k, v in asdict(self.student).items() if k != "name"}
         loss = {**asdict(self.selection), "aggregate": self.alignment.aggregate,
                 "alignment": self.alignment.method, "n_chunks": self.alignment.n_chunks}
@@ -255,6 +297,7 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
                         ("loss", job.selection)):
         p += [f"{where}.{line}" for line in part.problems()]
     p += [f"loss.{line.replace('method:', 'alignment:', 1)}" for line in job.alignment.problems()]
+    p += job.problems()
     try:
         batch_geometry(job, world_size)
     except ValueError as exc:
@@ -334,6 +377,10 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
         problems += source_file_problems(data_values)
         overlap = run_folder_problem(job) if job is not None else None
         problems += [overlap] if overlap else []
+        train_values = values.get("train") or {}
+        problems += continuation_problems(train_values.get("continue_from"), str(values.get("output_dir", "")))
+        problems += [f"train.eval_texts: text file not found: {path}" for path in train_values.get("eval_texts") or []
+                     if isinstance(path, str) and Path(path).suffix in TEXT_SUFFIXES and not Path(path).is_file()]
     raise_if(problems)
     embedded = bool(student_values.get("embedded"))
     model = job.student.model
@@ -420,6 +467,7 @@ class TrainSummary:
     last_log: dict
     nonfinite_steps: list[int] = field(default_factory=list)  # optimizer steps skipped (whole run)
     store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries (store_calls)
+    evaluations: list[dict] = field(default_factory=list)  # train.eval_every: {step, eval_bits_per_byte, ...}
 
     @property
     def tokens_per_s(self) -> float:
@@ -456,10 +504,14 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
     with args.main_process_first(local=True, desc="student identity"):
         student = model_identity(job.student.model, job.student.revision)  # digests cached for the other ranks
     args.max_steps = _number_of_steps(job, data, world_size, accumulation, tokens_per_step)
+    raise_if(schedule_problems(job.train, args.max_steps))
+    for key, value in scheduler_arguments(job.train, args.max_steps).items():
+        setattr(args, key, value)
     data.dataset.end = args.max_steps * job.train.micro_batch_size * world_size * accumulation  # samples trained
     identity = data.identity(fingerprint(tokenizer), _packing(job))
     if job.data.held_out_shards:  # only then: the identity of every other run stays as it was
         identity["shards_held_out"] = held_out_record(data.scored.folders[0], job.data.held_out_shards)
+    held_out = held_out_texts(job, data)
 
     if int(os.environ.get("RANK", "0")) == 0:  # only after validation: a refused run writes nothing
         lock.enter_context(exclusive_writer(job.output_dir, what="training run"))
@@ -467,13 +519,18 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
         if args.process_index == 0:
             recover_run_folder(job.output_dir)
     checkpoint = resolve_checkpoint(job.output_dir, job.train.resume, job.overwrite, job.recipe(), identity, student)
+    continued = None  # a new continuation: it starts from the source run's stable checkpoint
+    if checkpoint is None and job.train.continue_from:
+        checkpoint = continued = continuation_checkpoint(job, identity, student, args.max_steps)
     aside = SetAside(Path(job.output_dir), is_run_entry)  # what overwrite=true set aside (rank 0)
     with args.main_process_first(local=False, desc="run folder"):
         if args.process_index == 0:
             aside = prepare_run_folder(job.output_dir, job.overwrite, checkpoint, job.recipe(), student)
+            if continued:
+                start_from_source(job.train.continue_from, job.output_dir, continued)
 
     try:
-        trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks,
+        trainer, start_step = train_from(checkpoint, job, args, tokenizer, data, identity, callbacks, held_out,
                                          on_checkpoint=aside.commit)
         final = save_final(trainer, job.output_dir, identity, final_dtype(job.train))
     except BaseException:
@@ -484,14 +541,15 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
 
 
 def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, data: StudentData, identity: dict,
-               callbacks: list | None, on_checkpoint=None):
+               callbacks: list | None, held_out: list[str] | None = None, on_checkpoint=None):
     """Load the student and train it from ``checkpoint`` (or from scratch) to ``args.max_steps``.
 
     A checkpoint already at ``max_steps`` is a finished run: its weights are loaded and nothing is
     trained (the HF Trainer would otherwise train one step past the end). The count of skipped
     non-finite steps continues from the checkpoint's; a run stopped by too many of them in a row
-    raises :class:`NonFiniteLossError` (after its checkpoint is saved). ``on_checkpoint`` is called
-    once each checkpoint is complete. Returns the trainer and the step it started from.
+    raises :class:`NonFiniteLossError` (after its checkpoint is saved). ``held_out``: the texts of
+    the evaluation while training (:func:`held_out_texts`). ``on_checkpoint`` is called once each
+    checkpoint is complete. Returns the trainer and the step it started from.
     """
 
     start_step = checkpoint_step(checkpoint)
@@ -500,7 +558,7 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     guard = NonFiniteGuard(max_in_a_row=job.train.max_nonfinite_in_a_row)
     guard.restore(read_guard_state(checkpoint))
     trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks,
-                       on_checkpoint)
+                       held_out, on_checkpoint)
     if finished:
         log.info("%s is at step %d of %d: nothing to train", checkpoint, start_step, args.max_steps)
         trainer.state.log_history = trainer_state(checkpoint).get("log_history", [])
@@ -521,6 +579,7 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
         data=data.summary(),
         last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
         nonfinite_steps=list(trainer.guard.skipped),
+        evaluations=[r for r in trainer.state.log_history if "eval_bits_per_byte" in r],
     )
 
 
@@ -554,6 +613,26 @@ def prepare_mixture(job: TrainJobConfig, tokenizer) -> MixtureData:
         log.info("corpus %s of the mixture (weight %g, at most %d pass(es))", corpus.name, corpus.weight, epochs)
         corpora.append(CorpusData(corpus.name, corpus.weight, epochs, prepare_data(replace(job, data=one), tokenizer)))
     return build_mixture(corpora, job.data.seed, job.student.seq_len)
+
+
+def held_out_texts(job: TrainJobConfig, data: StudentData) -> list[str] | None:
+    """The documents ``train.eval_every`` measures bits per byte on (None: no evaluation): those of
+    ``train.eval_texts``, else of the shards ``data.held_out_shards`` holds out, at most
+    ``train.eval_max_documents``, empty ones left out."""
+    t = job.train
+    if t.eval_every is None:
+        return None
+    if t.eval_texts:
+        texts = [text for path in t.eval_texts for text in text_file_documents(path) if text]
+        where = f"train.eval_texts ({', '.join(t.eval_texts)})"
+    else:
+        folder = data.scored.folders[0]
+        files = [e["file"] for e in held_out_entries(folder, job.data.held_out_shards)]
+        texts = shard_documents(ScoredDataset.open(folder.path), files, t.eval_max_documents)
+        where = f"the held-out shards of {folder.path} ({', '.join(files)})"
+    if not texts:
+        raise ConfigError(f"train.eval_every: {where} hold no document to evaluate on")
+    return texts[: t.eval_max_documents]
 
 
 def held_out_entries(folder: ScoredFolder, n: int) -> list[dict]:
@@ -735,8 +814,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         gradient_accumulation_steps=accumulation,
         max_steps=max_steps,
         learning_rate=t.learning_rate,
-        lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr": t.min_learning_rate},
+        **scheduler_arguments(t, max_steps),
         warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay,
         adam_beta1=t.adam_beta1,
@@ -764,20 +842,24 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         dataloader_drop_last=True,
         remove_unused_columns=False,
         label_names=["labels"],
-        eval_strategy="no",
+        **({"eval_strategy": "steps", "eval_steps": t.eval_every} if t.eval_every else {"eval_strategy": "no"}),
     )
 
 
-def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks, on_checkpoint=None):
+def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks, held_out=None,
+             on_checkpoint=None):
     return GuidedTrainer(
         model=model,
         args=args,
         train_dataset=data.dataset,
+        eval_dataset=held_out,
+        eval_batch_size=job.train.eval_batch_size,
         data_collator=collate_packed,
         processing_class=tokenizer,
         callbacks=[JsonlMetricsCallback(Path(job.output_dir) / METRICS_NAME),
                    CheckpointRecordCallback(identity, guard, on_checkpoint),
-                   *tracker_callbacks(job.train.report_to), *(callbacks or [])],
+                   *schedule_callbacks(job.train, args.max_steps), *tracker_callbacks(job.train.report_to),
+                   *(callbacks or [])],
         selection=job.selection,
         seed=job.train.seed,
         guard=guard,

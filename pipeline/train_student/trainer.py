@@ -1,7 +1,7 @@
 """The Hugging Face ``Trainer`` with the teacher-guided loss (docs/METHOD.md §2.2), its metrics and
 its checkpoint records.
 
-:class:`GuidedTrainer` changes ``transformers.Trainer`` in five ways:
+:class:`GuidedTrainer` changes ``transformers.Trainer`` in six ways:
 
 * ``compute_loss`` hands the student's logits to :func:`pipeline.guided_loss.guided_loss` (the public loss)
   with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.student_side`),
@@ -23,6 +23,11 @@ its checkpoint records.
 * with a data mixture (:mod:`pipeline.train_student.mixture`) every log also adds the realised
   share of each corpus among the samples drawn since the last log, ``mixture_share_<name>``
   (section "mixtures" below), counted from the ``corpus`` of each sample of the batches.
+* its evaluation (``train.eval_every``, the Trainer's own evaluation steps) is held-out bits per byte
+  (:func:`pipeline.bits_per_byte.text_losses`, the measure of ``make eval-student``) on the texts
+  given as ``eval_dataset``, each process measuring every ``world_size``-th text; it logs
+  ``eval_bits_per_byte``, ``eval_nats_per_token`` and ``eval_runtime`` beside the training metrics
+  and leaves the model, its mode and the random state as they were.
 * a step whose loss (any micro-batch, any rank) or gradient is not finite is skipped whole: the
   optimizer does nothing, while the step still counts (batches consumed, schedule advanced), so a
   resumed run stays exact. After ``max_in_a_row`` such steps in a row the trainer saves a
@@ -48,6 +53,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
+from pipeline.bits_per_byte import default_window, text_losses
 from pipeline.config import UserError
 from pipeline.guided_loss import SelectionConfig, guided_loss
 from pipeline.train_student.checkpoints import mark_complete
@@ -94,8 +100,9 @@ class NonFiniteGuard:
 
 class GuidedTrainer(Trainer):
     def __init__(self, *args, selection: SelectionConfig, seed: int = 0, guard: NonFiniteGuard | None = None,
-                 teacher_metrics: TeacherMetrics | None = None, **kwargs):
+                 teacher_metrics: TeacherMetrics | None = None, eval_batch_size: int = 8, **kwargs):
         super().__init__(*args, **kwargs)
+        self.eval_batch_size = eval_batch_size  # blocks per forward pass of the held-out evaluation
         self.teacher_metrics = teacher_metrics  # several teachers (docs/METHOD.md §2.6)
         self._teacher_sums = self._teacher_step_sums = None
         self._corpus_counts = None  # a mixture's samples per corpus since the last log, on the device
@@ -286,6 +293,31 @@ class GuidedTrainer(Trainer):
             "sample_first": float(samples[0]),
             "sample_last": float(samples[1]),
         }
+
+    # ---- held-out evaluation -----------------------------------------------------------------
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Held-out bits per byte of the model as it is now (module docstring)."""
+        texts = list(eval_dataset if eval_dataset is not None else self.eval_dataset)
+        model, t0 = self.model, time.perf_counter()
+        training = model.training
+        try:
+            with self.accelerator.autocast():  # the training's mixed precision, if any
+                losses = text_losses(model, self.processing_class, texts[self.args.process_index::self.args.world_size],
+                                     window=default_window(model), batch_size=self.eval_batch_size)
+        finally:
+            model.train(training)
+        sums = torch.tensor([math.fsum(x.nats for x in losses), sum(x.n_bytes for x in losses),
+                             sum(x.n_tokens for x in losses)], dtype=torch.float64, device=self.args.device)
+        if self.args.world_size > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+        nats, n_bytes, n_tokens = sums.tolist()
+        metrics = {f"{metric_key_prefix}_bits_per_byte": _ratio(nats / math.log(2), n_bytes),
+                   f"{metric_key_prefix}_nats_per_token": _ratio(nats, n_tokens),
+                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - t0, 4)}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     # ---- several teachers (docs/METHOD.md §2.6) ------------------------------------------------
 

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from pipeline.evaluation.bits_per_byte import TextLoss, summarize, text_losses
+from pipeline.bits_per_byte import TextLoss, summarize, text_losses
 from pipeline.evaluation.held_out import HeldOutText, HeldOutTextError, read_documents, text_digest
 from pipeline.student_t import t_quantile
 

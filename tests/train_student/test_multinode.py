@@ -81,6 +81,8 @@ def overrides(student: Path, scored: Path, out: Path, run: str, steps: int, cach
         "train.learning_rate=3e-3", "train.min_learning_rate=3e-4", "train.logging_steps=1", "train.save_steps=3",
         "train.use_cpu=true", "train.report_to=[]", "train.progress=false", "train.cpu_threads=1",
         f"output_dir={out}/{run}",
+        # every document trained and counted: not the embedded recipe's held-out shard and its evaluation
+        "data.held_out_shards=0", "train.eval_every=null",
     ]
 
 

@@ -234,6 +234,7 @@ def test_paper_experiments_pin_the_recipe(experiment):
     assert (job.selection.mode, job.selection.ratio, job.alignment.aggregate, job.selection.unmapped) == (
         "guided", 0.4, "max", "include")
     assert (job.train.learning_rate, job.train.min_learning_rate) == (8e-5, 8e-6)
+    assert (job.train.lr_scheduler, job.data.held_out_shards, job.train.eval_every) == ("cosine", 0, None)
     assert batch_geometry(job, world_size=8) == (16, 2**21)  # 8 GPUs x 8 x 2048 x 16 = 2M tokens
     assert (job.train.max_tokens, job.train.max_steps, job.data.epochs) == (None, None, 1)  # one pass over the data
     assert job.output_dir.endswith(f"outputs/students/open-web-math/tinyllama-1.1b-{teacher}-guided")
@@ -300,3 +301,19 @@ def test_two_processes_on_gloo_with_torchrun(micro_scored, tmp_path):
     assert [(r["sample_first"], r["sample_last"]) for r in records] == [(0, 3), (4, 7), (8, 11), (12, 15)]
     assert all(r["tokens_per_s"] > 0 for r in records)
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    # the embedded recipe's held-out evaluation, after the last step: each rank measured every other
+    # document, and the sums make the value one process gives on the same model and documents
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.bits_per_byte import default_window, summarize, text_losses
+
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in lines if "eval_bits_per_byte" in r]
+    assert [r["step"] for r in evals] == [4]
+    held = sorted(micro_scored.glob("shard-*.parquet"))[-1]
+    texts = [t for t in pq.read_table(held, columns=["text"]).column("text").to_pylist() if t][:24]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    one = summarize(text_losses(model, AutoTokenizer.from_pretrained(tmp_path / "run" / "final"), texts,
+                                window=default_window(model)))
+    assert evals[0]["eval_bits_per_byte"] == pytest.approx(one["bits_per_byte"], rel=1e-5)

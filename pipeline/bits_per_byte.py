@@ -1,32 +1,50 @@
 """Held-out bits per UTF-8 byte of a causal LM: the standard measure of continual pretraining,
 comparable across student tokenizers because it divides by bytes, not tokens. ``make eval-student``
-reports it (docs/evaluation.md) and ``make repro`` judges its students by it (docs/METHOD.md §4.2).
+reports it (docs/evaluation.md), stage 2 logs it while training (``train.eval_every``) and ``make
+repro`` judges its students by it (docs/METHOD.md §4.2); all three call :func:`text_losses`.
 
 :func:`text_losses` gives, per text, the summed next-token loss in nats, the UTF-8 byte count and
 the token count. Every text token is predicted: the text follows the tokenizer's BOS (or, for a
 tokenizer without one, its EOS, the separator between documents in training), and a text longer
 than ``window`` tokens is cut into blocks that each carry the previous block's last token as their
 first input, so each token is predicted exactly once with up to ``window`` tokens of context.
-Losses are float32 log-softmax (whatever the model's dtype), summed per text in float64.
+Blocks of similar length share a forward pass, padded on the right and without an attention mask
+(attention is causal, so no real token sees the padding), and each block's loss is taken over its
+own predictions only, never over the padding. Losses are float32 log-softmax (whatever the model's
+dtype), summed per text in float64.
 
 :func:`summarize` gives the statistics the reproduction reports: bits per byte overall (total bits
 over total bytes), nats per token, and the per-document bits per byte with its mean and a 95%
 Student-t interval over documents (:mod:`pipeline.student_t`).
+
+The held-out text itself: :func:`text_file_documents` reads a ``.txt`` file (one document) or a
+``.jsonl`` file (one document per line, its ``"text"``), and :func:`shard_documents` the documents
+of some shards of a scored dataset.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import UserError
 from pipeline.student_t import t_quantile
+from storage_schemas import filesystem as sfs
+from storage_schemas.reader import ScoredDataset
 
 LEVEL = 0.95  # two-sided confidence level of the interval over documents
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+class HeldOutTextError(UserError, ValueError):
+    """A held-out text file that cannot be read; the message names the file (and line)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,13 @@ def blocks(ids: Sequence[int], first: int, window: int) -> list[list[int]]:
     return [seq[start: start + window + 1] for start in range(0, len(seq) - 1, window)]
 
 
+def default_window(model) -> int:
+    """Tokens of context per block when none is asked for: the model's context minus the one
+    position the token before the block takes (1024 for a model that states no context)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    return context - 1 if context else 1024
+
+
 def text_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch_size: int = 16) -> list[TextLoss]:
     """Per text: summed next-token loss in nats, UTF-8 bytes, tokens (module docstring)."""
     if window < 1 or batch_size < 1:
@@ -69,17 +94,16 @@ def text_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch
             batch = work[i: i + batch_size]
             width = max(len(b) for b, _ in batch)
             x = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            target = torch.full((len(batch), width - 1), -100, dtype=torch.long)
             for r, (b, _) in enumerate(batch):
                 x[r, : len(b)] = torch.tensor(b)
-                mask[r, : len(b)] = 1
-                target[r, : len(b) - 1] = torch.tensor(b[1:])
-            logits = model(input_ids=x.to(device), attention_mask=mask.to(device)).logits[:, :-1].float()  # (B, T-1, V)
-            loss = F.cross_entropy(logits.transpose(1, 2), target.to(device), ignore_index=-100,
-                                   reduction="none")  # (B, T-1), 0 where ignored
-            for (_, owner), row in zip(batch, loss.sum(dim=1, dtype=torch.float64).tolist()):
-                nats[owner] += row
+            x = x.to(device)
+            # No attention mask: the padding is on the right and attention is causal, so no real token
+            # sees it, and without a mask the attention takes its causal fast path.
+            logits = model(input_ids=x).logits  # (B, T, V)
+            for r, (b, owner) in enumerate(batch):  # each row's own predictions: no work on the padding
+                n = len(b) - 1
+                loss = F.cross_entropy(logits[r, :n].float(), x[r, 1: n + 1], reduction="none")  # (n,)
+                nats[owner] += loss.sum(dtype=torch.float64).item()
     return [TextLoss(nats=n, n_bytes=len(t.encode("utf-8")), n_tokens=len(ids))
             for n, t, ids in zip(nats, texts, encoded)]
 
@@ -108,3 +132,44 @@ def summarize(losses: Sequence[TextLoss], level: float = LEVEL) -> dict:
         "document_ci": interval,
         "level": level,
     }
+
+
+# ---- reading held-out text --------------------------------------------------------------------
+
+
+def text_file_documents(path: str | Path) -> list[str]:
+    """The documents of a held-out text file: a ``.txt`` file is one document (its whole UTF-8
+    text), a ``.jsonl`` file one per line (its ``"text"`` field; blank lines skipped)."""
+    path = Path(path)
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HeldOutTextError(f"{path}: cannot be read as UTF-8 text ({exc})") from None
+    if path.suffix == ".txt":
+        return [raw]
+    texts = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise HeldOutTextError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise HeldOutTextError(f"{path}:{number}: expected an object with a \"text\" string")
+        texts.append(row["text"])
+    return texts
+
+
+def shard_documents(dataset: ScoredDataset, files: Sequence[str], limit: int | None = None) -> list[str]:
+    """The non-empty texts of the shards of ``dataset`` named ``files`` (file names), in the
+    dataset's order, at most ``limit``."""
+    wanted = set(files)
+    part = ScoredDataset(folders=dataset.folders, shards=[s for s in dataset.shards if sfs.name(s.path) in wanted])
+    taken: list[str] = []
+    for record in part.iter_documents():
+        if limit is not None and len(taken) >= limit:
+            break
+        if record.text:
+            taken.append(record.text)
+    return taken
