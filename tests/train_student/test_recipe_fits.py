@@ -5,6 +5,7 @@ checked the same way."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,7 +68,11 @@ def test_paper_recipe_asking_for_15b_tokens_of_a_small_scored_folder(experiment,
                                                                      tmp_path, no_count):
     from stages.train_student import job_config
 
-    cfg = compose([f"experiment={experiment}", "student.embedded=false", f"student.model={tiny_student}",
+    student = tmp_path / "student-2048"  # the tiny student with room for the recipe's 2048 positions (RoPE)
+    shutil.copytree(tiny_student, student)
+    config = json.loads((student / "config.json").read_text())
+    (student / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    cfg = compose([f"experiment={experiment}", "student.embedded=false", f"student.model={student}",
                    f"data.folders=[{micro_scored}]", f"data.cache_dir={tmp_path}/lengths", "train.use_cpu=true",
                    f"output_dir={tmp_path}/run", "train.max_tokens=15000000000", "train.report_to=[]"])
     job = job_config(cfg)
