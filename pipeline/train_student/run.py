@@ -173,7 +173,8 @@ def source_problems(d: DataConfig) -> list[str]:
             found.append("export: give an export inside data.mixture (data.mixture[i].export), not beside it")
     if (d.export or (d.mixture and d.mixture[0].export)) and d.held_out_shards:
         found.append("held_out_shards: an export holds every shard it was made from; hold shards out with "
-                     "data.folders, or leave held_out_shards at 0")
+                     "data.folders, or set data.held_out_shards=0 (the embedded recipe holds one out) and evaluate "
+                     "on text files (train.eval_texts=[...]) or not at all (train.eval_every=null)")
     return found
 
 

@@ -119,7 +119,7 @@ def test_overwrite_sets_the_old_run_aside_until_the_first_checkpoint_and_a_crash
         run_training(replace(old, train=replace(old.train, max_steps=6)))
     for words in (f"student.model={out / 'final'} student.embedded=false run_name=<a new name>",
                   "Or use another run name (run_name=<a new name>)",
-                  "overwrite=true starts this run afresh: it deletes this run's checkpoints, final/, metrics.jsonl",
+                  "overwrite=true starts this run afresh: it deletes this run's checkpoints, stable/, final/, metrics.jsonl",
                   "once the new run has saved its first checkpoint"):
         assert words in str(longer.value), str(longer.value)
     assert tree(out) == before

@@ -171,7 +171,7 @@ def test_an_export_with_other_settings_through_the_entry_point(tiny_student, mic
     result = subprocess.run(
         [sys.executable, "-m", "stages.train_student", f"hydra.run.dir={tmp_path}/logs", f"output_dir={tmp_path}/run",
          "student.embedded=false", f"student.model={tiny_student}", "student.seq_len=16", f"data.folders=[{micro_scored}]",
-         f"data.export={exported}", "train.max_steps=2"],
+         f"data.export={exported}", "train.max_steps=2", "data.held_out_shards=0", "train.eval_every=null"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"error: data.export: {exported} was exported with other settings")
