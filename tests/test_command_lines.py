@@ -66,7 +66,9 @@ def test_a_relative_teacher_path_is_not_taken_for_a_hub_id_without_a_word():
 def run_make_line(line: str, cwd: Path) -> list[str]:
     """The words a Makefile recipe's shell passes for ``$(ARGS)``, with the real make and bash."""
     (cwd / "Makefile").write_text("inspect:\n\t@printf '%s\\n' $(ARGS)\n")
-    out = subprocess.run(["bash", "-c", line], cwd=cwd, capture_output=True, text=True, check=True).stdout
+    # as typed in a fresh terminal: not a sub-make of `make test` (which would add "Entering directory" lines)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    out = subprocess.run(["bash", "-c", line], cwd=cwd, capture_output=True, text=True, check=True, env=env).stdout
     return out.splitlines()
 
 
