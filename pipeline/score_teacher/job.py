@@ -401,9 +401,10 @@ class ShardScorer:
         return entry
 
     def describe(self) -> dict:
-        """Where this actor runs, and where its code was imported from (a copy shipped by Ray's
-        runtime environment, or the installed package)."""
-        return {**self.node, "pid": os.getpid(), "code": os.path.dirname(os.path.abspath(pipeline.__file__))}
+        """Where this actor runs, where its code was imported from (a copy shipped by Ray's
+        runtime environment, or the installed package) and how many threads torch uses there."""
+        return {**self.node, "pid": os.getpid(), "code": os.path.dirname(os.path.abspath(pipeline.__file__)),
+                "torch_threads": torch.get_num_threads()}
 
 
 def engine_of(scorer) -> dict:
