@@ -18,26 +18,30 @@ from typing import Iterator
 import torch
 
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
 def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity, lowered by a cgroup CPU quota."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    quota = _cgroup_quota()
+    quota = cgroup_quota(CGROUP)
     return max(1, min(cores, quota) if quota else cores)
 
 
-def _cgroup_quota() -> int | None:
-    """Whole cores of the cgroup's CPU quota (cgroup v2 ``cpu.max``, or v1's CFS quota), None if unlimited."""
+def cgroup_quota(root: Path) -> int | None:
+    """Whole cores of the CPU quota of the cgroup mounted at ``root`` (cgroup v2 ``cpu.max``, or
+    v1's CFS quota), rounded up; None where there is none."""
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = (root / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else math.ceil(int(quota) / int(period))
     except (OSError, ValueError):
         pass
     try:
-        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
-        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
         return None if quota <= 0 else math.ceil(quota / period)
     except (OSError, ValueError):
         return None

@@ -209,16 +209,17 @@ class ProgressLog(TrainerCallback):
     """One log line per Trainer log in place of the Trainer's printed dicts: the step, the loss,
     the time so far and the time left at the pace measured so far."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, clock=time.perf_counter):
         self.what = what
-        self.t0 = time.perf_counter()
+        self.clock = clock
+        self.t0 = clock()
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.t0 = time.perf_counter()
+        self.t0 = self.clock()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
-            spent = time.perf_counter() - self.t0
+            spent = self.clock() - self.t0
             left = spent / max(state.global_step, 1) * (state.max_steps - state.global_step)
             log.info("%s: step %d of %d, training loss %.3f (%s so far, about %s left at this pace)", self.what,
                      state.global_step, state.max_steps, float(logs["loss"]), _duration(spent), _duration(left))
