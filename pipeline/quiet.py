@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+from transformers.utils import logging as hf_logging
+
 TRAINER_NOTES = ("mtime may not be reliable on this filesystem",)
 
 
@@ -32,8 +34,6 @@ class _DropNotes(logging.Filter):
 
 def quiet_third_party() -> None:
     """Turn off the output listed in the module docstring, in this process (idempotent)."""
-    from transformers.utils import logging as hf_logging
-
     hf_logging.set_tqdm_hook(_without_bar)
     trainer_log = logging.getLogger("transformers.trainer_utils")
     if not any(isinstance(f, _DropNotes) for f in trainer_log.filters):
