@@ -36,6 +36,8 @@ case               what it measures
 ``served_teacher`` a teacher served by vLLM's OpenAI-compatible server against the in-process engine on
                    the same windows: tokens/s, the requests in flight that saturate the server; in
                    ``.venv-vllm`` (skipped without it) (:mod:`benchmarks.served_teacher`)
+``threads``        a training step of the tiny teacher's shape in every usable core's thread / in one
+                   thread, on the machine as it is and beside a busy process (:mod:`benchmarks.threads`)
 =================  ==========================================================================
 
 :mod:`benchmarks.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
@@ -46,4 +48,4 @@ Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes 
 """
 
 CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export",
-         "vllm_backend", "served_teacher")
+         "vllm_backend", "served_teacher", "threads")

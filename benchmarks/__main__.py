@@ -46,6 +46,8 @@ CASE_MEASURES = {
     "export": [("export_throughput", "export-student throughput per core / tokenization alone (tokens per CPU-s)",
                 "target", ">="),
                ("export_memory", "memory growth, export-student (peak RSS, more shards / one)", "memory_target", "<=")],
+    "threads": [("threads_as_is", "tiny-teacher training step, many threads / 1 thread (wall)", None, None),
+                ("threads_busy", "the same beside a busy process (wall)", "target_busy", ">=")],
 }
 
 
@@ -112,7 +114,7 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.teacher_tokenizer))
     if name == "storage":
         return case.run(case_cfg, work, inputs.scored_dataset())
-    if name == "guided_loss":
+    if name in ("guided_loss", "threads"):
         return case.run(case_cfg)
     if name in ("student_data", "teachers"):
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.student), inputs.scored_dataset())

@@ -20,6 +20,7 @@ from benchmarks.stage1 import Stage1BenchConfig
 from benchmarks.storage import StorageBenchConfig
 from benchmarks.student_data import StudentDataBenchConfig
 from benchmarks.teachers import TeachersBenchConfig
+from benchmarks.threads import ThreadsBenchConfig
 from benchmarks.vllm_backend import VLLMBackendBenchConfig
 from pipeline.config import build, check_at_least, raise_if
 from storage_schemas import dataset_dir
@@ -39,6 +40,7 @@ QUICK_SIZES: dict[str, Any] = {
     "served_teacher": {"n_docs": 8, "repeats": 1, "concurrency": [1, 4]},
     "export": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512, "scale": 2},
     "vllm_backend": {"n_docs": 8, "repeats": 1},
+    "threads": {"batch_size": 2, "block": 32, "repeats": 2, "warmup": 0},
 }
 
 
@@ -65,6 +67,7 @@ class BenchConfig:
     served_teacher: ServedTeacherBenchConfig = field(default_factory=ServedTeacherBenchConfig)
     vllm_backend: VLLMBackendBenchConfig = field(default_factory=VLLMBackendBenchConfig)
     export: ExportBenchConfig = field(default_factory=ExportBenchConfig)
+    threads: ThreadsBenchConfig = field(default_factory=ThreadsBenchConfig)
 
     def problems(self) -> list[str]:
         problems = [f"cases: {c!r} is not one of {', '.join(CASES)}" for c in self.cases if c not in CASES]

@@ -5,9 +5,10 @@ Its YAML front matter names the data files in ``configs`` (the shard files the m
 its order, never a glob: a folder may hold files no reader should see), with the task and tags, and
 the corpus's terms only where they are known (:func:`corpus_terms`): the license the user gave
 (``data.license``, recorded in the manifest), or that of a hub corpus read from the hub; a corpus
-from files has no license and no ``source_datasets`` until the user gives one. Its body says what the dataset is (teacher, windows, corpus), how much
-of it there is (shards, documents, tokens, skipped documents by reason, from the manifest), its
-loss statistics, its schema (from :mod:`storage_schemas.schema`) and how to load and publish it.
+from files has no license and no ``source_datasets`` until the user gives one. Its body says what
+the dataset is (teacher, windows, corpus), how much of it there is (shards, documents, tokens,
+skipped documents by reason, from the manifest), its loss statistics, its schema (from
+:mod:`storage_schemas.schema`) and how to load and publish it.
 
 The manifest stays the truth; the card is derived from it and rewritten at the end of every run,
 so a partial dataset has a card that says it is partial. Loss statistics are streamed from the

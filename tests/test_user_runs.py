@@ -73,7 +73,8 @@ def licensed(own_corpus, project):
     folder, args, _ = own_corpus
     before = {"meta": front_matter(folder / "README.md"), "card": (folder / "README.md").read_text(),
               "identity": json.loads((folder / "manifest.json").read_text())["identity"]}
-    given = run("stages.score_teacher", *args, "data.license=cc-by-4.0", f"hydra.run.dir={project / 'logs' / 'license'}")
+    given = run("stages.score_teacher", *args, "data.license=cc-by-4.0",
+                f"hydra.run.dir={project / 'logs' / 'license'}")
     return folder, before, given
 
 

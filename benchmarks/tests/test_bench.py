@@ -95,6 +95,14 @@ def test_guided_loss_case_quick():
     _check_figures(run(cfg), {"guided_loss_overhead"})
 
 
+def test_threads_case_quick():
+    from benchmarks.threads import ThreadsBenchConfig, run
+
+    result = run(ThreadsBenchConfig(threads=2, batch_size=2, block=16, repeats=2, warmup=0))
+    _check_figures(result, {"threads_as_is", "threads_busy"})
+    assert result["threads"] == 2 and set(result["load_average"]) == {"as_is", "busy"}
+
+
 def test_report_files_have_the_table(tmp_path):
     from benchmarks.measure import machine_info
     from benchmarks.results import figure, write_report

@@ -292,7 +292,8 @@ def _refuse_jsonl_without_text(location: str, lines: list[bytes], text_column: s
     found = f"fields found: {', '.join(lengths)}"
     what = (f"no field {text_column!r} in its first {len(lines)} lines ({found})"
             if not any(text_column in o for o in objects) else
-            f"field {text_column!r} holds no text in its first {len(lines)} lines (null or not a string in each; {found})")
+            f"field {text_column!r} holds no text in its first {len(lines)} lines "
+            f"(null or not a string in each; {found})")
     raise CorpusError(f"{location}: {what}; {_text_column_fix(lengths, text_column)}")
 
 

@@ -19,7 +19,8 @@ def test_tiny_teacher_build_is_deterministic_and_cached(micro_corpus, micro_teac
     with caplog.at_level("INFO", logger="pipeline.embedded.tiny_teacher"), torch_threads(other):
         again = build_micro_teacher(micro_corpus, tmp_path / "again")
     said = caplog.text
-    assert "building the tiny teacher (once: later runs reuse it)" in said and "in one torch thread (load average" in said
+    assert "building the tiny teacher (once: later runs reuse it)" in said
+    assert "in one torch thread (load average" in said
     assert "tiny teacher: step 30 of 30, training loss" in said and "left at this pace" in said, "progress in words"
     assert "{'loss'" not in capfd.readouterr().out, "no Trainer dicts scroll by"
     for name in ("model.safetensors", "tokenizer.json", "config.json"):

@@ -30,7 +30,8 @@ def fresh_cache(tmp_path, monkeypatch) -> Path:
 
 def on_disk(folder: Path, column: str) -> list[list[float]]:
     """``column`` of every row of the shards the manifest lists, read with pyarrow."""
-    return [row for e in manifest(folder)["shards"] for row in pq.read_table(folder / e["file"]).column(column).to_pylist()]
+    return [row for e in manifest(folder)["shards"]
+            for row in pq.read_table(folder / e["file"]).column(column).to_pylist()]
 
 
 def loaded(folder: Path, column: str) -> list[list[float]]:
