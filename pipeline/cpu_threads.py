@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+import psutil
 import torch
 
 
@@ -22,11 +23,15 @@ CGROUP = Path("/sys/fs/cgroup")
 
 
 def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity, lowered by a cgroup CPU quota."""
+    """The cores this process may run on: the CPUs of its affinity, counted as physical cores (two
+    threads on one core's hyperthreads slow each other down; torch's own default counts physical
+    cores too), lowered by a cgroup CPU quota."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    logical = psutil.cpu_count() or cpus
+    cores = cpus * (psutil.cpu_count(logical=False) or logical) // logical
     quota = cgroup_quota(CGROUP)
     return max(1, min(cores, quota) if quota else cores)
 

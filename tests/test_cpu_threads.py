@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import pytest
 import torch
 from transformers import TrainerCallback
@@ -14,10 +15,17 @@ from pipeline import cpu_threads
 from pipeline.cpu_threads import cgroup_quota, threads_for, usable_cores
 
 
+def physical_cores() -> int:
+    """This process's CPUs counted as physical cores (hyperthreads of one core count once)."""
+    return max(1, len(os.sched_getaffinity(0)) * psutil.cpu_count(logical=False) // psutil.cpu_count())
+
+
 @pytest.fixture
 def four_cores(monkeypatch, tmp_path):
-    """A process that may run on 4 cores, under no cgroup quota (this machine's may differ)."""
+    """A process that may run on 4 CPUs of a machine without hyperthreads, under no cgroup quota
+    (this machine's may differ)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16)
     monkeypatch.setattr(cpu_threads, "CGROUP", tmp_path / "no-cgroup")
 
 
@@ -26,6 +34,11 @@ def test_the_threads_are_what_was_given_never_more_than_the_cores(four_cores):
     assert [threads_for(c) for c in (None, 1, 2, 4, 8, 0.5)] == [4, 1, 2, 4, 4, 1]
     assert [threads_for(None, sharing=n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
     assert threads_for(4, sharing=2) == 2
+
+
+def test_hyperthreads_of_one_core_count_once(four_cores, monkeypatch):
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16 if logical else 8)  # 2 threads a core
+    assert usable_cores() == 2 and threads_for(4) == 2
 
 
 def test_a_cgroup_quota_lowers_the_cores(four_cores, monkeypatch, tmp_path):
@@ -68,5 +81,5 @@ def test_stage2_trains_with_at_most_its_share_of_the_cores(tiny_student, micro_s
     before = torch.get_num_threads()
     seen = Threads()
     run_training(job, callbacks=[seen])
-    assert seen.seen == [max(1, len(os.sched_getaffinity(0)) // local_processes)] * 2
+    assert seen.seen == [max(1, physical_cores() // local_processes)] * 2
     assert torch.get_num_threads() == before, "restored after training"
