@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,15 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The session's own Hugging Face caches (hub, datasets, modules), empty at the start and removed at
+# the end, whatever the machine's caches hold: every one follows HF_HOME, set before any test imports
+# datasets or transformers and inherited by every child process a test starts.
+_HF_HOME = tempfile.mkdtemp(prefix="vocagno-tests-hf-")
+atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
+os.environ["HF_HOME"] = _HF_HOME
+for _name in ("HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_MODULES_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE"):
+    os.environ.pop(_name, None)
 
 REPO = Path(__file__).resolve().parent
 SHARED_TOKENIZERS = REPO.parent / "shared" / "tokenizers"

@@ -41,6 +41,8 @@ case               what it measures
 ``held_out_eval``  held-out bits per byte / a bare forward of the same batches (tokens/s), and what
                    ``train.eval_every`` costs at the embedded recipe's settings
                    (:mod:`benchmarks.held_out_eval`)
+``threads``        a training step of the tiny teacher's shape in every usable core's thread / in one
+                   thread, on the machine as it is and beside a busy process (:mod:`benchmarks.threads`)
 =================  ==========================================================================
 
 :mod:`benchmarks.gpu` is the GPU part (``make gpu-bench``: 7B teacher scoring, 1.1B training
@@ -52,4 +54,4 @@ Nothing here is a test: ``benchmarks/tests/test_bench.py`` only runs tiny sizes 
 
 CASES = ("alignment", "stage1", "storage", "guided_loss", "student_data", "memory", "teachers", "export",
          "vllm_backend", "served_teacher",
-         "export_data", "held_out_eval")
+         "export_data", "held_out_eval", "threads")

@@ -53,6 +53,8 @@ CASE_MEASURES = {
     "held_out_eval": [("held_out_eval_speed", "held-out bits per byte / bare forward (tokens/s)", "target", ">="),
                       ("held_out_eval_cost", "evaluation while training / training time (embedded recipe)",
                        "cost_target", "<=")],
+    "threads": [("threads_as_is", "tiny-teacher training step, many threads / 1 thread (wall)", None, None),
+                ("threads_busy", "the same beside a busy process (wall)", "target_busy", ">=")],
 }
 
 
@@ -119,7 +121,7 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.teacher_tokenizer))
     if name == "storage":
         return case.run(case_cfg, work, inputs.scored_dataset())
-    if name == "guided_loss":
+    if name in ("guided_loss", "threads"):
         return case.run(case_cfg)
     if name in ("student_data", "teachers"):
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.student), inputs.scored_dataset())

@@ -22,6 +22,7 @@ from benchmarks.stage1 import Stage1BenchConfig
 from benchmarks.storage import StorageBenchConfig
 from benchmarks.student_data import StudentDataBenchConfig
 from benchmarks.teachers import TeachersBenchConfig
+from benchmarks.threads import ThreadsBenchConfig
 from benchmarks.vllm_backend import VLLMBackendBenchConfig
 from pipeline.config import build, check_at_least, raise_if
 from storage_schemas import dataset_dir
@@ -43,6 +44,7 @@ QUICK_SIZES: dict[str, Any] = {
     "vllm_backend": {"n_docs": 8, "repeats": 1},
     "export_data": {"max_shards": 1, "repeats": 1, "warmup": 0, "seq_len": 512},
     "held_out_eval": {"n_docs": 8, "repeats": 1, "warmup": 0, "train_steps": 6, "eval_every": 3},
+    "threads": {"batch_size": 2, "block": 32, "repeats": 2, "warmup": 0},
 }
 
 
@@ -71,6 +73,7 @@ class BenchConfig:
     export: ExportBenchConfig = field(default_factory=ExportBenchConfig)
     export_data: ExportDataBenchConfig = field(default_factory=ExportDataBenchConfig)
     held_out_eval: HeldOutEvalBenchConfig = field(default_factory=HeldOutEvalBenchConfig)
+    threads: ThreadsBenchConfig = field(default_factory=ThreadsBenchConfig)
 
     def problems(self) -> list[str]:
         problems = [f"cases: {c!r} is not one of {', '.join(CASES)}" for c in self.cases if c not in CASES]

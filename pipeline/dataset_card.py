@@ -2,10 +2,13 @@
 ``datasets.load_dataset(<folder>)`` read.
 
 Its YAML front matter names the data files in ``configs`` (the shard files the manifest lists, in
-its order, never a glob: a folder may hold files no reader should see), with the license, task and
-tags where they are known. Its body says what the dataset is (teacher, windows, corpus), how much
-of it there is (shards, documents, tokens, skipped documents by reason, from the manifest), its
-loss statistics, its schema (from :mod:`storage_schemas.schema`) and how to load and publish it.
+its order, never a glob: a folder may hold files no reader should see), with the task and tags, and
+the corpus's terms only where they are known (:func:`corpus_terms`): the license the user gave
+(``data.license``, recorded in the manifest), or that of a hub corpus read from the hub; a corpus
+from files has no license and no ``source_datasets`` until the user gives one. Its body says what
+the dataset is (teacher, windows, corpus), how much of it there is (shards, documents, tokens,
+skipped documents by reason, from the manifest), its loss statistics, its schema (from
+:mod:`storage_schemas.schema`) and how to load and publish it.
 
 The manifest stays the truth; the card is derived from it and rewritten at the end of every run,
 so a partial dataset has a card that says it is partial. Loss statistics are streamed from the
@@ -16,6 +19,7 @@ shards' ``losses`` column one record batch at a time into the histogram ``make i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -175,6 +179,55 @@ def _type_name(kind: pa.DataType) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# What ``load_dataset(<folder>)`` reads
+
+
+def data_files_configs(entries: Sequence[Mapping]) -> list[dict]:
+    """The card's ``configs``: one config, ``default``, naming the shard files ``entries`` lists
+    (manifest entries, in order), described by a digest of their content. ``datasets`` keys its
+    cache of a folder by the folder's name, the config's name and what the card's configs say, never
+    by the files' content or modification times, so a folder rewritten in place under the same shard
+    names would load the rows cached before the rewrite; the digest (over each shard's name and
+    sha256, from the manifest) changes that key whenever the content does."""
+    listing = [[e["file"], e.get("sha256")] for e in entries]
+    digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    return [{"config_name": "default", "description": f"shards sha256 {digest}",
+             "data_files": [{"split": "train", "path": [e["file"] for e in entries]}]}]
+
+
+# ---------------------------------------------------------------------------------------------
+# The corpus's terms
+
+
+def corpus_terms(corpus: Mapping, license: str | None = None) -> dict:
+    """What a card may say of a corpus's terms, from its identity (``identity.corpus``) and the
+    license its user gave: ``license`` (that one, else the known license of a hub corpus read from
+    the hub or a copy of its repository), ``language`` and ``source_datasets`` (the hub id, for a
+    hub corpus only). A corpus from files is the user's own, whatever preset it was named from, so
+    nothing is known of it but the license given."""
+    hub_id = corpus.get("hub_id") if corpus.get("source") == "hub" else None
+    known = KNOWN_CORPORA.get(hub_id or "", {})
+    return {"license": license or known.get("license"), "language": known.get("language"),
+            "source_datasets": [hub_id] if hub_id else None}
+
+
+def shared_terms(terms: Sequence[Mapping]) -> dict:
+    """The terms of data made from several corpora (an export of several scored folders): a license
+    or language only where every one has the same, the source datasets of them all."""
+    def common(key: str):
+        values = [t.get(key) for t in terms]
+        return values[0] if values and all(v == values[0] for v in values) else None
+
+    sources = sorted({s for t in terms for s in (t.get("source_datasets") or [])})
+    return {"license": common("license"), "language": common("language"), "source_datasets": sources or None}
+
+
+def manifest_terms(manifest: Mapping) -> dict:
+    """A scored manifest's corpus terms (:func:`corpus_terms`, with the license it records)."""
+    return corpus_terms((manifest.get("identity") or {}).get("corpus") or {}, manifest.get("license"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The card
 
 
@@ -182,18 +235,17 @@ def front_matter(manifest: Mapping) -> dict:
     """The hub's metadata: ``configs`` naming the manifest's shard files, and what else is known."""
     identity = manifest.get("identity") or {}
     corpus, teacher = identity.get("corpus") or {}, identity.get("teacher") or {}
-    known = KNOWN_CORPORA.get(corpus.get("hub_id") or "", {})
+    terms = manifest_terms(manifest)
     documents = int((manifest.get("totals") or {}).get("documents", 0))
     data = DatasetCardData(
-        license=known.get("license"),
-        language=known.get("language"),
+        license=terms["license"],
+        language=terms["language"],
         size_categories=[_size_category(documents)],
-        source_datasets=[corpus["hub_id"]] if corpus.get("hub_id") else None,
+        source_datasets=terms["source_datasets"],
         task_categories=["text-generation"],
         pretty_name=f"{corpus.get('name', 'corpus')} scored by {teacher.get('name', 'a teacher')}",
         tags=TAGS,
-        configs=[{"config_name": "default",
-                  "data_files": [{"split": "train", "path": [e["file"] for e in manifest.get("shards", [])]}]}],
+        configs=data_files_configs(manifest.get("shards", [])),
     )
     return data.to_dict()
 
@@ -293,9 +345,12 @@ def _corpus(manifest: Mapping) -> str:
               + f", split `{c.get('split')}`, revision `{c.get('revision') or 'main (unpinned)'}`"
               if c.get("source") == "hub" else "local files")
     shown = ", ".join(f"`{f}`" for f in files[:20]) + (f" and {len(files) - 20:,} more" if len(files) > 20 else "")
+    license = manifest_terms(manifest)["license"]
     rows = [
         ("name", f"`{c.get('name')}`"),
         ("source", source),
+        ("license", f"`{license}`" if license else "not given: set `data.license=<id>` in stage 1 (or this card's "
+                                                    "`license`) before publishing"),
         ("files", f"{c.get('n_files', len(files)):,}: {shown}" if files else f"{c.get('n_files', 0):,}"),
         ("text column", f"`{c.get('text_column')}`"),
         ("documents in the plan", f"{c.get('n_docs', 0):,}" + (f" (limited to the first {c['limit_docs']:,})"

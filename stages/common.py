@@ -43,6 +43,7 @@ from rich.table import Table
 
 from pipeline.config import ConfigError, UserError, build, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
 from pipeline.output_folder import storage_error
+from pipeline.quiet import quiet_third_party
 from storage_schemas import ContractError, dataset_dir
 from storage_schemas import filesystem as sfs
 from storage_schemas import store_calls
@@ -60,6 +61,15 @@ def _dataset_dir(root: str, corpus: str, teacher: str) -> str:
 # ``${dataset_dir:<root>,<corpus>,<teacher>}`` in the YAML files: the scored folder's name comes
 # from the contract (its schema version), never from a string repeated in configs.
 OmegaConf.register_new_resolver("dataset_dir", _dataset_dir, replace=True)
+
+
+def _preset_stride(window: int, stride: int, *, _parent_) -> int | None:
+    """``${preset_stride:<window>,<stride>}`` in a teacher preset: that stride while ``teacher.window``
+    is unset or that window; for any other window none, so the stride is half the window."""
+    return stride if _parent_.get("window") in (None, window) else None
+
+
+OmegaConf.register_new_resolver("preset_stride", _preset_stride, replace=True)
 
 
 def plain(cfg: DictConfig | dict, key: str | None = None) -> dict:
@@ -212,6 +222,7 @@ def show_summary(title: str, rows: list[tuple[str, str]], lines: list[tuple[str,
 def quiet_libraries() -> None:
     for name in ("transformers", "datasets", "ray", "filelock", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_third_party()
 
 
 # ---------------------------------------------------------------------------------------------

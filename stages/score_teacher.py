@@ -116,7 +116,7 @@ def print_summary(s: JobSummary, console: Console | None = None) -> None:
         "import polars as pl; print(pl.scan_parquet(" + json.dumps(glob) + ")"
         ".select(\"doc_id\", pl.col(\"token_ids\").list.len().alias(\"tokens\"), "
         "pl.col(\"losses\").list.eval(pl.element().fill_nan(None)).list.mean().alias(\"mean_loss\"))"
-        ".sort(\"mean_loss\").collect())"
+        ".sort(\"mean_loss\", nulls_last=True).collect())"
     )
     show_summary("score-teacher", rows, [
         ("the scored dataset", str(s.output_dir)),

@@ -44,8 +44,8 @@ def test_a_tilde_is_the_home_folder_and_a_folder_given_as_corpus_files_gets_its_
     assert line == (f"error: data.files: corpus 'mine': '{tmp_path}/corpus' is a folder; give its files: "
                     f"'{tmp_path}/corpus/*.parquet'"), line
     assert not (tmp_path / "scored").exists() and not (tmp_path / "artifacts").exists()
-    with pytest.raises(CorpusError, match=r"no column 'text' \(columns: \['content'\]\); name the column that holds "
-                                          r"the text: data.text_column=content$"):
+    with pytest.raises(CorpusError, match=r"no column 'text' \(columns found: content\); set "
+                                          r"data.text_column=content if that field holds the text$"):
         resolve_sources(CorpusConfig(name="mine", files=[str(tmp_path / "corpus" / "*.parquet")]))
 
 

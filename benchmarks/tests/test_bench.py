@@ -114,6 +114,14 @@ def test_held_out_eval_case_quick(tiny_student, micro_scored, tmp_path):
     assert len(cost["eval_seconds"]) == 2 and cost["recipe_evaluations"] == 4  # steps 2 and 4; 50..200
 
 
+def test_threads_case_quick():
+    from benchmarks.threads import ThreadsBenchConfig, run
+
+    result = run(ThreadsBenchConfig(threads=2, batch_size=2, block=16, repeats=2, warmup=0))
+    _check_figures(result, {"threads_as_is", "threads_busy"})
+    assert result["threads"] == 2 and set(result["load_average"]) == {"as_is", "busy"}
+
+
 def test_report_files_have_the_table(tmp_path):
     from benchmarks.measure import machine_info
     from benchmarks.results import figure, write_report

@@ -48,11 +48,13 @@ from transformers import (
     default_data_collator,
 )
 
+from pipeline.cpu_threads import torch_threads, usable_cores
 from pipeline.embedded.model_shape import ModelShape
 
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
+TRAIN_THREADS = 1  # torch threads while the tiny models train (fit_blocks)
 # Letters with an optional leading space, one digit at a time, punctuation runs, newlines, spaces.
 PRE_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
@@ -160,8 +162,8 @@ def build_tiny_teacher(
     )
     model = Qwen2ForCausalLM(config)
     log.info("building the tiny teacher (once: later runs reuse it): a %.1fM-parameter Qwen2 model trained "
-             "for %d steps on %d documents of the sample corpus, about a minute on two CPU cores; into %s",
-             sum(p.numel() for p in model.parameters()) / 1e6, spec.steps, len(texts), out_dir)
+             "for %d steps on %d documents of the sample corpus, %s; the time left is logged as it trains; into %s",
+             sum(p.numel() for p in model.parameters()) / 1e6, spec.steps, len(texts), machine_note(), out_dir)
     eval_blocks = {k: pack_blocks(tokenizer, v, spec.block)[:32] for k, v in (eval_texts or {}).items()}
     before = {k: _mean_loss(model, b) for k, b in eval_blocks.items()}
 
@@ -182,6 +184,8 @@ def build_tiny_teacher(
             "eval_loss_after": after,
             "uniform_loss": math.log(len(tokenizer)),
             "seconds": round(time.perf_counter() - t0, 1),
+            "threads": TRAIN_THREADS,
+            "load_average": round(os.getloadavg()[0], 2),
         })
         (work / "_BUILD.json").write_text(json.dumps(stamp, indent=1) + "\n")
 
@@ -190,23 +194,46 @@ def build_tiny_teacher(
     return out_dir
 
 
-class ProgressLog(TrainerCallback):
-    """One log line per Trainer log (step, steps, loss) in place of the Trainer's printed dicts."""
+def machine_note() -> str:
+    """How busy the machine is, for the build's first log line."""
+    cores, load = usable_cores(), os.getloadavg()[0]
+    note = f"in one torch thread (load average {load:.1f} on {cores} usable cores"
+    return note + ("; the machine is busy, so this takes longer than on an idle core)" if load >= cores else ")")
 
-    def __init__(self, what: str):
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+class ProgressLog(TrainerCallback):
+    """One log line per Trainer log in place of the Trainer's printed dicts: the step, the loss,
+    the time so far and the time left at the pace measured so far."""
+
+    def __init__(self, what: str, clock=time.perf_counter):
         self.what = what
+        self.clock = clock
+        self.t0 = clock()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.t0 = self.clock()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
-            log.info("%s: step %d of %d, training loss %.3f", self.what, state.global_step, state.max_steps,
-                     float(logs["loss"]))
+            spent = self.clock() - self.t0
+            left = spent / max(state.global_step, 1) * (state.max_steps - state.global_step)
+            log.info("%s: step %d of %d, training loss %.3f (%s so far, about %s left at this pace)", self.what,
+                     state.global_step, state.max_steps, float(logs["loss"]), _duration(spent), _duration(left))
 
 
 def fit_blocks(model, blocks: list[list[int]], work_dir: str | os.PathLike, *, steps: int, batch_size: int,
                learning_rate: float, seed: int, what: str = "training"):
     """Train a causal LM on fixed-length token blocks with the HF Trainer on the CPU, deterministically
     (cosine schedule, 5% warmup, no checkpoints); returns the Trainer's ``TrainOutput``. Progress is
-    logged as ``<what>: step k of n`` lines."""
+    logged as ``<what>: step k of n`` lines, with the time left.
+
+    One torch thread: the same weights whatever the machine's cores (thread counts change the
+    rounding), and on a shared machine several times faster for a model this small than threads
+    that wait on each other for cores other processes hold."""
 
     dataset = [{"input_ids": b, "labels": b} for b in blocks]
     args = TrainingArguments(
@@ -229,4 +256,5 @@ def fit_blocks(model, blocks: list[list[int]], work_dir: str | os.PathLike, *, s
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
                       callbacks=[ProgressLog(what)])
     trainer.remove_callback(PrinterCallback)
-    return trainer.train()
+    with torch_threads(TRAIN_THREADS):
+        return trainer.train()

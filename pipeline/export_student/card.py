@@ -1,9 +1,12 @@
 """The export's dataset card: a ``README.md`` beside the shards, derived from the manifest.
 
 Its front matter names the Parquet shards the manifest lists in ``configs`` (never a glob: the
-folder also holds Megatron and litdata files), so ``datasets.load_dataset(<folder>)`` reads exactly
-them. Its body says what made the export (the scored folders and their identities, the student
-tokenizer, the alignment and packing settings), how much there is, the teacher-loss statistics of
+folder also holds Megatron and litdata files), with a digest of their content that keeps
+``datasets``' cache from serving rows of an earlier export there
+(:func:`pipeline.dataset_card.data_files_configs`), so ``datasets.load_dataset(<folder>)`` reads
+exactly them, as they are now; and the corpus's terms where the scored folders record them. Its
+body says what made the export (the scored folders and their identities, the student tokenizer,
+the alignment and packing settings), how much there is, the teacher-loss statistics of
 the student tokens (mean, min and max exact from the markers; quantiles from a histogram of the
 shards' ``teacher_loss`` column, :mod:`pipeline.loss_histogram`, read a batch at a time and from
 evenly spaced shards above :data:`STATS_TOKEN_BUDGET` tokens), the files of each format and the schema.
@@ -22,7 +25,7 @@ from huggingface_hub import DatasetCardData
 
 from pipeline.export_student import rows as rows_module
 from pipeline.export_student.formats import LITDATA_INDEX, megatron_prefix
-from pipeline.dataset_card import STATS_TOKEN_BUDGET, stats_sample
+from pipeline.dataset_card import STATS_TOKEN_BUDGET, data_files_configs, stats_sample
 from pipeline.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram
 from storage_schemas import CARD_NAME, MANIFEST_NAME
 from storage_schemas import filesystem as sfs
@@ -56,12 +59,15 @@ def loss_histogram(folder, entries: Sequence[Mapping], token_budget: int = STATS
 
 
 def front_matter(manifest: Mapping) -> dict:
+    """The hub's metadata: ``configs`` naming the Parquet shards, and the corpus's terms where
+    the scored folders' manifests know them (:func:`pipeline.dataset_card.corpus_terms`)."""
     rows = int((manifest.get("totals") or {}).get("rows", 0))
+    terms = manifest.get("terms") or {}
     data = DatasetCardData(
+        license=terms.get("license"), language=terms.get("language"), source_datasets=terms.get("source_datasets"),
         size_categories=["n<1K" if rows < 1e3 else "1K<n<10K" if rows < 1e4 else "10K<n<100K" if rows < 1e5 else "n>100K"],
         task_categories=["text-generation"], tags=TAGS, pretty_name=title_of(manifest),
-        configs=[{"config_name": "default",
-                  "data_files": [{"split": "train", "path": [e["file"] for e in manifest.get("shards", [])]}]}],
+        configs=data_files_configs(manifest.get("shards", [])),
     )
     return data.to_dict()
 
@@ -110,9 +116,13 @@ def _sources(manifest: Mapping) -> str:
                          f"`{str(corpus.get('files_sha256'))[:16]}`)", "complete" if f.get("complete") else "partial"))
         rows.append((f"t{i}", f"{len(t.get('shards_used', []))} shard(s) used", "", ""))
     folders = ", ".join(f"`{'/'.join(str(p).rstrip('/').split('/')[-3:])}`" for p in location.get("scored_folders", []))
+    license = (manifest.get("terms") or {}).get("license")
+    terms = (f"The corpus's license, `{license}`, applies to this export too." if license else
+             "The corpus's license is not recorded (stage 1's `data.license`): set this card's `license` before "
+             "publishing; the corpus's terms apply to this export too.")
     return ("## Sources\n\nThe scored folders (stage-1 output) this export was made from, by teacher "
             f"(folders: {folders}; their full identities are in `manifest.json`):\n\n"
-            + _table(("teacher", "model", "corpus", "scoring"), rows))
+            + _table(("teacher", "model", "corpus", "scoring"), rows) + "\n\n" + terms)
 
 
 def _settings(manifest: Mapping) -> str:

@@ -26,6 +26,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pipeline.config import UserError
+from pipeline.dataset_card import manifest_terms, shared_terms
 from pipeline.export_student.card import write_card
 from pipeline.export_student.config import ExportJobConfig
 from pipeline.export_student.formats import LITDATA_INDEX, LITDATA_SUFFIX, shard_parts, write_litdata_index
@@ -128,6 +129,13 @@ def prepare_data(job: ExportJobConfig, tokenizer) -> StudentData:
                               missing_documents=d.missing_documents)
 
 
+def export_terms(data: StudentData) -> dict:
+    """The terms of the corpora the export was made from (their scored manifests': license, language,
+    source datasets), for the card: a license only where every scored folder has the same."""
+    teachers = data.teachers.datasets if data.teachers is not None else [data.scored]
+    return shared_terms([manifest_terms(f.manifest) for t in teachers for f in t.folders])
+
+
 def export_identity(job: ExportJobConfig, data: StudentData, tokenizer, n_rows: int) -> dict:
     """What the export is, never where things are: every teacher's scored data (identities, the
     shards used, by sha256) and resolved alignment, the combination, the student tokenizer, the
@@ -162,10 +170,14 @@ def shard_rows(index: int, rows_per_shard: int, n_rows: int) -> range:
     return range(index * rows_per_shard, min((index + 1) * rows_per_shard, n_rows))
 
 
-def shard_stats(rows: list[Row]) -> dict:
+def shard_stats(rows: list[Row], layout: str) -> dict:
     """A shard's counts and the exact sum, min and max of its teacher losses (the card's quantiles
-    are read from the shards, :func:`pipeline.export_student.card.loss_histogram`)."""
-    losses = np.concatenate([r.teacher_loss for r in rows]).astype(np.float64)
+    are read from the shards, :func:`pipeline.export_student.card.loss_histogram`). Each token of
+    the stream counts once: a packed row after the first begins with the token that ends the row
+    before it, so that token is left out there."""
+    shared = layout == "packed"
+    losses = np.concatenate([r.teacher_loss[1:] if shared and r.index > 0 else r.teacher_loss
+                             for r in rows]).astype(np.float64)
     finite = losses[np.isfinite(losses)]
     return {"tokens": int(losses.size), "mapped": int(finite.size), "loss_sum": float(finite.sum()),
             "loss_min": float(finite.min()) if finite.size else None,
@@ -183,7 +195,7 @@ def write_export_shard(job: ExportJobConfig, source: RowSource, index: int, n_ro
                                                                  e.compression, record))
     main, parts = files[0], files[1:]
     entry = {"file": main["file"], "index": index, "rows": len(rows), "first_row": span.start,
-             "bytes": main["bytes"], "sha256": main["sha256"], "parts": parts, **shard_stats(rows), **record}
+             "bytes": main["bytes"], "sha256": main["sha256"], "parts": parts, **shard_stats(rows, e.layout), **record}
     write_marker(job.output_dir, entry)
     return entry
 
@@ -209,9 +221,11 @@ def totals_of(done: dict[int, dict]) -> dict:
             "bytes": size}
 
 
-def write_manifest(folder, identity: dict, done: dict[int, dict], n_planned: int, location: dict) -> dict:
+def write_manifest(folder, identity: dict, done: dict[int, dict], n_planned: int, about: dict) -> dict:
+    """``about``: the manifest's fields that are never compared on a rerun, where the inputs were
+    (``location``) and the corpus's terms (``terms``)."""
     manifest = manifest_of(EXPORT, identity, done, n_planned, totals_of(done), code_version=code_version(),
-                           location=location)
+                           **about)
     write_json_atomic(sfs.child(folder, MANIFEST_NAME), manifest)
     return manifest
 
@@ -248,24 +262,25 @@ def _run_export(job: ExportJobConfig) -> ExportSummary:
             f"{job.student.seq_len + 1}; lower student.seq_len or use export.layout=documents")
     n_shards = math.ceil(n_rows / job.export.rows_per_shard)
     identity = export_identity(job, data, tokenizer, n_rows)
-    location = {"scored_folders": [str(f) for f in job.data.folders], "student_model": job.student.model,
-                "student_tokenizer": job.student.tokenizer or job.student.model}
+    about = {"location": {"scored_folders": [str(f) for f in job.data.folders], "student_model": job.student.model,
+                          "student_tokenizer": job.student.tokenizer or job.student.model},
+             "terms": export_terms(data)}
     if (sfs.is_remote(job.output_dir) or Path(job.output_dir).is_dir()) and not has_aside(job.output_dir):
         refuse_mismatch(job.output_dir, identity, EXPORT, job.overwrite)  # before creating anything there
     with exclusive_writer(job.output_dir, what="export"):
         done, aside = prepare_folder(job.output_dir, identity, job.overwrite, EXPORT)
         before = len(done)
-        write_manifest(job.output_dir, identity, done, n_shards, location)
+        write_manifest(job.output_dir, identity, done, n_shards, about)
         pending = [i for i in range(n_shards) if i not in done][:job.export.limit_shards]
         cpu = time.process_time()
         try:
-            written = _write_shards(job, source, pending, n_rows, identity, done, location, n_shards,
+            written = _write_shards(job, source, pending, n_rows, identity, done, about, n_shards,
                                     row_schema(len(identity["teachers"])), on_first=aside.commit if aside else None)
         except BaseException:  # list what did finish (the markers stay the truth), then fail
             if aside is not None and aside.aside is not None:
                 aside.restore()  # no shard of the new export: the old one comes back whole
             else:
-                write_manifest(job.output_dir, identity, finished_shards(job.output_dir), n_shards, location)
+                write_manifest(job.output_dir, identity, finished_shards(job.output_dir), n_shards, about)
             raise
         if aside is not None:
             aside.commit()
@@ -275,7 +290,7 @@ def _run_export(job: ExportJobConfig) -> ExportSummary:
         complete = len(done) == n_shards
         if complete and "litdata" in job.export.formats:
             write_litdata_index(job.output_dir, [done[i] for i in sorted(done)])
-        manifest = write_manifest(job.output_dir, identity, done, n_shards, location)
+        manifest = write_manifest(job.output_dir, identity, done, n_shards, about)
         write_card(job.output_dir, manifest)
     totals = manifest["totals"]
     return ExportSummary(
@@ -290,7 +305,7 @@ def _run_export(job: ExportJobConfig) -> ExportSummary:
 
 
 def _write_shards(job: ExportJobConfig, source: RowSource, pending: list[int], n_rows: int, identity: dict,
-                  done: dict, location: dict, n_shards: int, schema, manifest_every_s: float = 10.0,
+                  done: dict, about: dict, n_shards: int, schema, manifest_every_s: float = 10.0,
                   on_first=None) -> list[dict]:
     """Write the pending shards in order, with a progress bar; the manifest is rewritten now and
     then; ``on_first`` is called once the first shard is written."""
@@ -309,7 +324,7 @@ def _write_shards(job: ExportJobConfig, source: RowSource, pending: list[int], n
             tokens = sum(e["tokens"] for e in written)
             bar.set_postfix(shards=f"{len(done)}/{n_shards}", tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
             if time.perf_counter() - last > manifest_every_s:
-                write_manifest(job.output_dir, identity, done, n_shards, location)
+                write_manifest(job.output_dir, identity, done, n_shards, about)
                 last = time.perf_counter()
     finally:
         bar.close()

@@ -18,7 +18,12 @@ the plan (and every document id) is a pure function of the input and ``rows_per_
 ``rows_per_shard`` between relaunches changes the plan; the job refuses to resume then. With
 ``limit_docs`` only the files the first ``limit_docs`` rows come from are described and hashed.
 
-Text is decoded per document, so one undecodable row is recorded and skipped, never fatal.
+Text is decoded per document, so one undecodable row is recorded and skipped, never fatal. A
+file with no usable text at all is refused before any work, naming it, the fields it has and
+``data.text_column``: a Parquet file without the text column, or whose text column is null in every
+row (its footer's statistics say so); a JSONL file none of whose first :data:`TEXT_SAMPLE_LINES`
+lines holds a string in the text field. A corpus of no row at all is refused too. A few null or
+missing texts are not: each is recorded with its document (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ log = logging.getLogger(__name__)
 SOURCES = ("files", "hub")
 HF_SCHEME = "hf://"
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl"}
+TEXT_SAMPLE_LINES = 64  # a JSONL file's first lines that must hold some text
+TEXT_SAMPLE_BYTES = 64 << 20  # read at most this much for them (a longer first line: not judged)
 
 
 class CorpusError(UserError, ValueError):
@@ -72,11 +79,16 @@ class CorpusConfig:
     text_column: str = "text"
     rows_per_shard: int = 2000
     limit_docs: int | None = None  # take only the first N documents of the plan
+    license: str | None = None  # the corpus's license (a hub id such as cc-by-4.0), for the dataset card
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_choice(found, "source", self.source, SOURCES)
         check_at_least(found, "rows_per_shard", self.rows_per_shard, 1)
+        check_at_least(found, "limit_docs", self.limit_docs, 1)
+        if self.license is not None and (not self.license.strip() or any(c.isspace() for c in self.license)):
+            found.append(f"license: {self.license!r} is not a license id; use the hub's id (cc-by-4.0, odc-by, "
+                         "apache-2.0, other ...)")
         if self.source == "hub" and not self.hub_id:
             found.append("hub_id: source=hub needs the dataset's hub id (also with hub_root, which only says where a copy is)")
         if self.source == "hub" and any(filesystem.is_remote(f) or os.path.isabs(f) for f in self.files):
@@ -167,10 +179,15 @@ def resolve_sources(cfg: CorpusConfig, hub_api=None) -> list[SourceFile]:
     if cfg.rows_per_shard < 1:
         raise CorpusError(f"rows_per_shard must be >= 1, got {cfg.rows_per_shard}")
     if cfg.source == "files":
-        return _describe_all(_file_locations(cfg), cfg)
-    if cfg.source == "hub":
-        return _describe_all(_hub_locations(cfg, hub_api), cfg)
-    raise CorpusError(f"unknown corpus source {cfg.source!r}; choose 'files' or 'hub'")
+        sources = _describe_all(_file_locations(cfg), cfg)
+    elif cfg.source == "hub":
+        sources = _describe_all(_hub_locations(cfg, hub_api), cfg)
+    else:
+        raise CorpusError(f"unknown corpus source {cfg.source!r}; choose 'files' or 'hub'")
+    if not any(s.rows for s in sources):
+        raise CorpusError(f"corpus {cfg.name!r}: no document to score: {_sample([s.path for s in sources])} "
+                          f"{'is' if len(sources) == 1 else 'are'} empty")
+    return sources
 
 
 def _file_locations(cfg: CorpusConfig) -> list[tuple[str, str | None]]:
@@ -235,32 +252,103 @@ def describe_file(location: str, text_column: str, sha256: str | None = None) ->
             with fs.open_input_file(path) as f:
                 size = f.size()
                 meta = pq.ParquetFile(f).metadata
-                arrow_schema = meta.schema.to_arrow_schema()
-                names = arrow_schema.names
         else:
-            size, rows = _count_lines(fs, path)
+            size, rows, head = _scan_lines(fs, path)
     except Exception as exc:
         what = "not a readable Parquet file" if kind == "parquet" else "not readable"
         raise CorpusError(f"{location}: {what} ({_one_line(exc)})") from exc
     if kind == "jsonl":
+        _refuse_jsonl_without_text(location, head, text_column)
         return SourceFile(location, "jsonl", rows, name, bytes=size, sha256=sha256)
-    if text_column not in names:
-        strings = [f.name for f in arrow_schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
-        raise CorpusError(f"{location}: no column {text_column!r} (columns: {names}); name the column that holds "
-                          f"the text: data.text_column={strings[0] if len(strings) == 1 else '<column>'}")
+    _refuse_parquet_without_text(location, meta, text_column)
     groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
     return SourceFile(location, "parquet", meta.num_rows, name, bytes=size, sha256=sha256, row_groups=groups)
 
 
-def _count_lines(fs: pafs.FileSystem, path: str) -> tuple[int, int]:
-    """Size and line count (a last line without a newline counts) of a file, streamed."""
-    size, lines, last = 0, 0, b"\n"
+def _scan_lines(fs: pafs.FileSystem, path: str) -> tuple[int, int, list[bytes]]:
+    """Size and line count (a last line without a newline counts) of a file, streamed, and its
+    first :data:`TEXT_SAMPLE_LINES` lines (those within its first :data:`TEXT_SAMPLE_BYTES`)."""
+    size, lines, last, head = 0, 0, b"\n", bytearray()
     with fs.open_input_stream(path) as f:
         while block := f.read(1 << 22):
             size += len(block)
+            if lines < TEXT_SAMPLE_LINES and len(head) < TEXT_SAMPLE_BYTES:
+                head += block
             lines += block.count(b"\n")
             last = block[-1:]
-    return size, lines + (last != b"\n")
+    first = bytes(head).split(b"\n")
+    complete = first[:-1] if len(head) < size or last == b"\n" else first  # the last part may be cut
+    return size, lines + (last != b"\n"), complete[:TEXT_SAMPLE_LINES]
+
+
+def _refuse_jsonl_without_text(location: str, lines: list[bytes], text_column: str) -> None:
+    """Refuse a JSONL file none of whose first lines holds a string in ``text_column`` (an empty
+    file is left to the corpus-wide check; some lines without text are recorded per document)."""
+    objects = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            objects.append(record)
+    if not lines or any(isinstance(o.get(text_column), str) for o in objects):
+        return
+    if not objects:
+        raise CorpusError(f"{location}: none of its first {len(lines)} lines is a JSON object; a JSONL corpus "
+                          f"holds one object per line with its text in a field (data.text_column={text_column})")
+    lengths: dict[str, int] = {}
+    for o in objects:
+        for key, value in o.items():
+            lengths[key] = lengths.get(key, 0) + (len(value) if isinstance(value, str) else 0)
+    found = f"fields found: {', '.join(lengths)}"
+    what = (f"no field {text_column!r} in its first {len(lines)} lines ({found})"
+            if not any(text_column in o for o in objects) else
+            f"field {text_column!r} holds no text in its first {len(lines)} lines "
+            f"(null or not a string in each; {found})")
+    raise CorpusError(f"{location}: {what}; {_text_column_fix(lengths, text_column)}")
+
+
+def _refuse_parquet_without_text(location: str, meta: pq.FileMetaData, text_column: str) -> None:
+    """Refuse a Parquet file without ``text_column``, or whose footer says it is null in every row."""
+    schema = meta.schema.to_arrow_schema()
+    sizes: dict[str, int] = {}  # the string columns' bytes, from the footer
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            name = column.path_in_schema
+            if name in schema.names and _is_text_type(schema.field(name).type):
+                sizes[name] = sizes.get(name, 0) + column.total_uncompressed_size
+    if text_column not in schema.names:
+        raise CorpusError(f"{location}: no column {text_column!r} (columns found: {', '.join(schema.names)}); "
+                          f"{_text_column_fix(sizes, text_column)}")
+    if meta.num_rows and _all_null(meta, schema.get_field_index(text_column)):
+        others = {k: v for k, v in sizes.items() if k != text_column}
+        raise CorpusError(f"{location}: column {text_column!r} holds no text (null in all {meta.num_rows} rows; "
+                          f"columns found: {', '.join(schema.names)}); {_text_column_fix(others, text_column)}")
+
+
+def _is_text_type(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _all_null(meta: pq.FileMetaData, index: int) -> bool:
+    """Whether the footer's statistics say column ``index`` is null in every row (False where a
+    row group has no null count)."""
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(index).statistics
+        if stats is None or not stats.has_null_count or stats.null_count != meta.row_group(g).num_rows:
+            return False
+    return True
+
+
+def _text_column_fix(text_sizes: dict[str, int], text_column: str) -> str:
+    """How to name the text field: the one holding the most text among those found, if any."""
+    candidates = {k: v for k, v in text_sizes.items() if k != text_column and v > 0}
+    if not candidates:
+        return "set data.text_column=<the field that holds the text>"
+    return f"set data.text_column={max(candidates, key=candidates.get)} if that field holds the text"
 
 
 def _warn_large_row_groups(sources: list[SourceFile], rows_per_shard: int) -> None:

@@ -39,11 +39,13 @@ from pipeline.config import (
     defaults,
     raise_if,
 )
+from pipeline.cpu_threads import threads_for
 from pipeline.dataset_card import write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import looks_local
 from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version, is_local_model, model_identity
+from pipeline.quiet import quiet_third_party
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
 from pipeline.score_teacher.backends.server import ApiKey, ServedTeacher, api_key, check_server, share_in_flight
@@ -375,8 +377,8 @@ class ShardScorer:
     def load(self) -> dict:
         """Load the tokenizer and the teacher; returns :meth:`describe`."""
         if self.scorer is None:
-            if self.cfg.pool.num_gpus == 0:
-                torch.set_num_threads(max(1, int(self.cfg.pool.num_cpus)))
+            quiet_third_party()
+            torch.set_num_threads(threads_for(_granted_cpus(self.cfg.pool.num_cpus)))
             teacher = self.teacher
             self.tokenizer = load_tokenizer(teacher.tokenizer or teacher.model, revision=teacher.revision,
                                             trust_remote_code=teacher.trust_remote_code)
@@ -404,9 +406,10 @@ class ShardScorer:
         return entry
 
     def describe(self) -> dict:
-        """Where this actor runs, and where its code was imported from (a copy shipped by Ray's
-        runtime environment, or the installed package)."""
-        return {**self.node, "pid": os.getpid(), "code": os.path.dirname(os.path.abspath(pipeline.__file__))}
+        """Where this actor runs, where its code was imported from (a copy shipped by Ray's
+        runtime environment, or the installed package) and how many threads torch uses there."""
+        return {**self.node, "pid": os.getpid(), "code": os.path.dirname(os.path.abspath(pipeline.__file__)),
+                "torch_threads": torch.get_num_threads()}
 
 
 def engine_of(scorer) -> dict:
@@ -420,6 +423,13 @@ def engine_of(scorer) -> dict:
         return {"name": "transformers", "version": transformers.__version__, "torch": torch.__version__,
                 "device": described.get("device")}
     return {"name": described.get("backend")}
+
+
+def _granted_cpus(asked: float) -> float:
+    """The CPUs Ray gave this actor (what it asked for, outside an actor)."""
+    if not ray.is_initialized():
+        return asked
+    return ray.get_runtime_context().get_assigned_resources().get("CPU", asked)
 
 
 def _this_node() -> dict:
@@ -503,7 +513,8 @@ def _remove_empty_folders(folder: str, created: Path | None) -> None:
 
 def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     version = code_version()
-    done, extra, aside = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location)
+    done, extra, aside = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location,
+                                        license=cfg.corpus.license)
     pending = [s for s in prepared.shards if s.index not in done]
     if cfg.limit_shards is not None:
         pending = pending[: cfg.limit_shards]

@@ -36,6 +36,7 @@ from pipeline.score_teacher.faults import FAULTS_ENV
 from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)
+RAY_AUTH_LOG = "ray._private.authentication.authentication_token_setup"  # Ray's notes on token authentication
 
 
 @dataclass(frozen=True)
@@ -120,15 +121,29 @@ def init_ray(rc: RayConfig) -> bool:
         return False
     kwargs = dict(include_dashboard=rc.include_dashboard, dashboard_host=rc.dashboard_host,
                   log_to_driver=True, configure_logging=True, logging_level=logging.WARNING)
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # the actors' lines as plain text, without colour codes
     handlers = _python_signal_handlers()
     with shipped_code(rc) as env:
         if rc.address:
             ray.init(address=rc.address, runtime_env=env, **kwargs)
         else:  # a new local cluster, never one that happens to run on this machine
-            ray.init(address="local", num_cpus=rc.num_cpus, runtime_env=env, **kwargs)
+            with _quiet(RAY_AUTH_LOG):  # its note that token authentication is on, as it is by default
+                ray.init(address="local", num_cpus=rc.num_cpus, runtime_env=env, **kwargs)
     for signum, handler in handlers.items():  # Ray's core worker installs its own (it aborts on SIGTERM)
         signal.signal(signum, handler)
     return True
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Only errors from ``logger_name`` while this lasts."""
+    logger = logging.getLogger(logger_name)
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def _python_signal_handlers() -> dict:

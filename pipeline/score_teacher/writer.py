@@ -179,15 +179,16 @@ def prepare_output(
     overwrite: bool,
     *,
     location: dict | None = None,
+    license: str | None = None,
 ) -> tuple[dict[int, dict], dict, SetAside | None]:
     """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries,
-    the manifest's extra fields (``location``) for every later :func:`write_manifest` of the run,
-    and what ``overwrite`` set aside (commit it once a shard is finished; None: nothing).
+    the manifest's extra fields (``location``, ``license``) for every later :func:`write_manifest`
+    of the run, and what ``overwrite`` set aside (commit it once a shard is finished; None: nothing).
 
     Refuses (``DatasetMismatchError``) a folder scored with another identity or holding shards
     without a manifest, unless ``overwrite`` (:func:`pipeline.shard_folder.prepare_folder`).
     """
-    extra: dict = {"location": location}
+    extra: dict = {"location": location, "license": license}
     done, aside = prepare_folder(folder, identity, overwrite, SCORED, hint=corpus_hint(folder, identity))
     write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"], **extra)
     return done, extra, aside
@@ -223,10 +224,12 @@ def write_manifest(
     *,
     location: dict | None = None,
     failed: list[dict] | None = None,
+    license: str | None = None,
 ) -> dict:
     """Write ``manifest.json`` from the finished shards' entries. ``location`` (where the teacher
     and corpus were found) is for people and never compared; ``failed`` lists the shards the
-    run gave up on (index, error, attempts), which have no marker and are scored by the next run."""
+    run gave up on (index, error, attempts), which have no marker and are scored by the next run;
+    ``license`` is the corpus's as its user gave it (``data.license``), for the card, not compared."""
     shards = [done[i] for i in sorted(done)]
     reasons: dict[str, int] = {}
     for entry in shards:
@@ -242,6 +245,8 @@ def write_manifest(
     extra = {"location": location} if location is not None else {}
     if failed is not None:
         extra["failed"] = sorted(failed, key=lambda f: f["index"])
+    if license is not None:
+        extra["license"] = license
     manifest = manifest_of(SCORED, identity, done, n_planned, totals, code_version=code_version, **extra)
     write_json_atomic(sfs.child(folder, MANIFEST_NAME), manifest)
     return manifest

@@ -43,6 +43,7 @@ from pipeline.config import (
     defaults,
     raise_if,
 )
+from pipeline.cpu_threads import threads_for, torch_threads
 from pipeline.folder_lock import exclusive_writer
 from pipeline.guided_loss import SelectionConfig
 from pipeline.model_source import local_model_problem, model_positions, refuse_seq_len
@@ -206,7 +207,7 @@ class TrainConfig:
     ddp_backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
     ddp_timeout: int = 7200  # seconds; the other ranks wait this long for global rank 0's token count pass
     torch_compile: bool = False
-    cpu_threads: int | None = None  # torch intra-op threads while training (None: torch's default)
+    cpu_threads: int | None = None  # torch intra-op threads while training (None: the usable cores; never more)
     max_nonfinite_in_a_row: int = 5  # skipped (non-finite) optimizer steps in a row before the run stops
     lr_scheduler: str = "cosine"  # cosine: to min_learning_rate over the whole run | wsd: warm-up, stable, decay
     lr_decay_share: float = 0.2  # wsd: the decay's share of the run's steps
@@ -773,26 +774,22 @@ def load_student(student: StudentConfig, vocab_size: int):
     return model
 
 
-@contextlib.contextmanager
 def _cpu_threads(n: int | None):
-    """``torch.set_num_threads(n)`` for the duration (None: leave it). On a shared CPU, intra-op
-    threads beyond the idle cores make every step many times slower (OpenMP threads wait on each
-    other); 1 is often the fastest there."""
+    """torch's intra-op threads while training: ``train.cpu_threads`` (None: every usable core),
+    never more than this process's share of the usable cores (:mod:`pipeline.cpu_threads`; the
+    processes of a data-parallel run on one node share them). On a shared CPU, threads beyond the
+    idle cores make every step many times slower; 1 is often the fastest there."""
+    return torch_threads(threads_for(n, sharing=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
-    before = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+
+def _on_gpu(train: TrainConfig) -> bool:
+    return torch.cuda.is_available() and not train.use_cpu
 
 
 def _precision(train: TrainConfig) -> dict:
     precision = train.precision
     if precision == "auto":
-        gpu = torch.cuda.is_available() and not train.use_cpu
-        precision = "bf16" if gpu and torch.cuda.is_bf16_supported() else "fp32"
+        precision = "bf16" if _on_gpu(train) and torch.cuda.is_bf16_supported() else "fp32"
     return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
 
 
@@ -841,6 +838,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         dataloader_num_workers=job.data.num_workers,
         dataloader_prefetch_factor=job.data.prefetch_factor if job.data.num_workers > 0 else None,
         dataloader_drop_last=True,
+        dataloader_pin_memory=_on_gpu(t),  # pinned memory speeds copies to a GPU only
         remove_unused_columns=False,
         label_names=["labels"],
         **({"eval_strategy": "steps", "eval_steps": t.eval_every} if t.eval_every else {"eval_strategy": "no"}),

@@ -1,17 +1,27 @@
 """The embedded default is built deterministically and its teacher learns the clean text."""
 
 import json
+import logging
+from types import SimpleNamespace
+
+import torch
 
 from conftest import build_micro_teacher
+from pipeline.cpu_threads import torch_threads
+from pipeline.embedded.tiny_teacher import ProgressLog
 from storage_schemas import file_sha256
 
 
 def test_tiny_teacher_build_is_deterministic_and_cached(micro_corpus, micro_teacher, tmp_path, caplog, capfd):
-    with caplog.at_level("INFO", logger="pipeline.embedded.tiny_teacher"):
+    """Built again with another thread count set by the caller (the machine's cores, torch's default
+    for the first build): the same files, as the build trains in one thread whatever the caller set."""
+    other = 1 if torch.get_num_threads() > 1 else 2
+    with caplog.at_level("INFO", logger="pipeline.embedded.tiny_teacher"), torch_threads(other):
         again = build_micro_teacher(micro_corpus, tmp_path / "again")
     said = caplog.text
-    assert "building the tiny teacher (once: later runs reuse it)" in said and "about a minute" in said
-    assert "tiny teacher: step 30 of 30, training loss" in said, "progress in words"
+    assert "building the tiny teacher (once: later runs reuse it)" in said
+    assert "in one torch thread (load average" in said
+    assert "tiny teacher: step 30 of 30, training loss" in said and "left at this pace" in said, "progress in words"
     assert "{'loss'" not in capfd.readouterr().out, "no Trainer dicts scroll by"
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert file_sha256(again / name) == file_sha256(micro_teacher / name), f"{name} differs between builds"
@@ -49,3 +59,33 @@ def test_student_alphabet_is_the_most_frequent_characters_by_hand():
     # counts in words "▁bb", "▁ab", "▁ca", "▁c": ▁ 4, b 3, a 2, c 2 (a before c: code point)
     assert alphabet(["bb ab ca c"], pre, 3) == ["▁", "b", "a"]
     assert alphabet(["bb ab ca c"], pre, 10) == ["▁", "b", "a", "c"]
+
+
+def test_the_time_left_is_the_pace_so_far_times_the_steps_left(caplog):
+    """Hand-worked: 25 of 250 steps in 30 s is 1.2 s a step, so 225 steps are 270 s (4.5 min) left."""
+    clock = iter([100.0, 100.0, 130.0, 400.0])
+    progress = ProgressLog("tiny teacher", clock=lambda: next(clock))
+    progress.on_train_begin(None, None, None)
+    with caplog.at_level(logging.INFO, logger="pipeline.embedded.tiny_teacher"):
+        progress.on_log(None, SimpleNamespace(global_step=25, max_steps=250), None, logs={"loss": 5.0})
+        progress.on_log(None, SimpleNamespace(global_step=250, max_steps=250), None, logs={"loss": 1.5})
+    assert [r.getMessage() for r in caplog.records] == [
+        "tiny teacher: step 25 of 250, training loss 5.000 (30 s so far, about 4.5 min left at this pace)",
+        "tiny teacher: step 250 of 250, training loss 1.500 (5.0 min so far, about 0 s left at this pace)",
+    ]
+
+
+def test_the_tiny_teachers_weights_do_not_depend_on_the_callers_threads(micro_corpus, tmp_path):
+    """The tiny teacher's own shape (a few steps on 40 pages), built under 1 and 2 threads set by
+    the caller: the same weights (trained in 2 threads they differ in their last bits)."""
+    from pipeline.embedded.sample_corpus import clean_texts
+    from pipeline.embedded.tiny_teacher import TinyTeacherSpec, build_tiny_teacher
+
+    texts = clean_texts(micro_corpus)[:40]
+    digests = set()
+    for threads in (1, 2):
+        with torch_threads(threads):
+            out = build_tiny_teacher(texts, tmp_path / f"threads-{threads}", TinyTeacherSpec(vocab_size=600, steps=3,
+                                                                                            batch_size=4))
+        digests.add(file_sha256(out / "model.safetensors"))
+    assert len(digests) == 1

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -107,50 +108,38 @@ def test_pytorch_loop_recipe_against_a_float64_brute_force(tiny_student, micro_s
     assert first_loss == pytest.approx(sum(float(ce[p]) for p in kept) / len(kept), rel=1e-5)
 
 
-class StudentTokens:
-    """What Megatron's GPTDataset asks of a tokenizer."""
-
-    def __init__(self, tokenizer):
-        self.vocab_size, self.eod, self.pad = len(tokenizer), tokenizer.eos_token_id, len(tokenizer)  # pad: no id of the text
-        self.unique_identifiers = {"class": "StudentTokens", "vocab_size": self.vocab_size}
-
-
-def test_megatron_gpt_dataset_and_loss_func_recipe(tiny_student, micro_scored, student_tokenizer, tmp_path):
-    """Megatron's own GPTDataset packs and shuffles the exported documents; the recipe's subclass
-    gives every label its Parquet teacher loss; the recipe's loss_func sums the trained tokens'
-    losses and counts them as a brute force does."""
+def test_megatron_gpt_dataset_and_loss_func_recipe(tiny_student, micro_scored, tmp_path):
+    """The recipe's Megatron training dataset, built as written (Megatron's own tokenizer,
+    GPTDatasetConfig and BlendedMegatronDatasetBuilder over the export's two shards): every sample's
+    labels are the next tokens of the documents Megatron packed, each with its Parquet teacher loss;
+    the recipe's loss_func sums the trained tokens' losses and counts them as a brute force does."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
-        from megatron.core.datasets.utils import Split
+        ns = recipe("megatron")
     out = tmp_path / "export"
-    run_export(make_export(tiny_student, micro_scored, out, layout="documents", rows_per_shard=1000,
+    run_export(make_export(tiny_student, micro_scored, out, layout="documents", rows_per_shard=80,
                            formats=["parquet", "megatron"]))
-    assert manifest(out)["n_shards_planned"] == 1
-    rows = exported_rows(out)
-    prefix = str(out / "shard-000000")
-    config = GPTDatasetConfig(random_seed=7, sequence_length=24, tokenizer=StudentTokens(student_tokenizer),
-                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                              path_to_cache=str(tmp_path / "megatron-cache"), split="1,0,0")
-    ids = IndexedDataset(prefix + ".input_ids")
-    ns = recipe("megatron")
-    dataset = ns["GPTDatasetWithTeacherLoss"](prefix + ".teacher_loss", ids, prefix + ".input_ids",
-                                              np.arange(len(ids)), None, Split.train, config)
-    assert len(dataset) > 10
+    shards = manifest(out)["shards"]
+    assert len(shards) == 2
+    parquet = [pq.read_table(out / s["file"]).to_pylist() for s in shards]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train = ns["megatron_train_dataset"](str(out), str(tiny_student), sequence_length=24, train_samples=60)
+    assert len(train) == 60 and sorted(set(train.dataset_index.tolist())) == [0, 1], "both shards blended"
 
-    # The stream Megatron packs: the documents in its document_index order, from the Parquet rows.
-    stream_ids = np.concatenate([np.asarray(rows[d]["input_ids"], np.int64) for d in dataset.document_index])
-    stream_loss = np.concatenate([np.asarray(rows[d]["teacher_loss"], np.float32) for d in dataset.document_index])
-    starts = np.cumsum([0, *[len(rows[d]["input_ids"]) for d in dataset.document_index]])
     batch = []
-    for k in range(len(dataset)):
-        sample = dataset[k]
-        doc, offset = dataset.sample_index[dataset.shuffle_index[k]]
+    for k in range(len(train)):
+        sample = train[k]
+        shard = int(sample["dataset_id"])
+        part, rows = train.datasets[shard], parquet[shard]
+        # The stream Megatron packs from this shard: its documents in its document_index order, from the Parquet rows.
+        stream_ids = np.concatenate([np.asarray(rows[d]["input_ids"], np.int64) for d in part.document_index])
+        stream_loss = np.concatenate([np.asarray(rows[d]["teacher_loss"], np.float32) for d in part.document_index])
+        starts = np.cumsum([0, *[len(rows[d]["input_ids"]) for d in part.document_index]])
+        doc, offset = part.sample_index[part.shuffle_index[int(train.dataset_sample_index[k])]]
         p = int(starts[doc] + offset)
         assert sample["labels"].tolist() == stream_ids[p + 1:p + 25].tolist()
-        want = stream_loss[p + 1:p + 25]
-        got = sample["teacher_loss"].numpy()
+        want, got = stream_loss[p + 1:p + 25], sample["teacher_loss"].numpy()
         assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
         batch.append(sample)
 
