@@ -37,6 +37,8 @@ from pipeline.loss_histogram import (
     loss_histogram_query,
     merge_bins,
 )
+from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.rehearsal import is_rehearsal
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,
@@ -226,6 +228,8 @@ def _title(manifest: Mapping) -> str:
             f"{' ' + str(manifest['code_version']) if manifest.get('code_version') else ''}; "
             "`manifest.json` beside this card is the authoritative record of the dataset "
             "(identity, shard files, checksums).")
+    if is_rehearsal(identity):
+        text += f"\n\n> **{REHEARSAL_NOTE}.**"
     if not manifest.get("complete"):
         text += (f"\n\n> **Partial dataset**: {totals.get('shards', 0):,} of "
                  f"{manifest.get('n_shards_planned', 0):,} planned shards are scored. Counts and statistics "

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,3 +263,37 @@ def manifest_of(kind: FolderKind, identity: dict, done: dict[int, dict], n_plann
     its finished shards in order; ``extra`` fields (``location``, ``code_version``, ...) added as given."""
     return {kind.version_key: kind.version, "identity": identity, "complete": len(done) == n_planned,
             "n_shards_planned": n_planned, "totals": totals, "shards": [done[i] for i in sorted(done)], **extra}
+
+
+class ShardProgress:
+    """The driver's bookkeeping as shards finish, in constant time per shard: running totals for
+    the progress bar, and ``write()`` (the manifest) called when due: at most every ``every_s``
+    seconds and, unless ``every_s`` is 0 (after every shard), at least ``spacing`` times its last
+    call's duration after it, so that rewriting a manifest of N shards never takes more than
+    1/``spacing`` of the driver's time, whatever N. Shared by stage 1's driver and the export."""
+
+    def __init__(self, write, every_s: float, spacing: float = 50.0, clock=time.monotonic):
+        self.write, self.every_s, self.spacing, self.clock = write, every_s, spacing, clock
+        self.tokens = self.rows = self.shards = 0
+        self.started = self.last = clock()
+        self.gap = every_s
+        self.writes = 0
+
+    def scored(self, entry: dict) -> None:
+        self.tokens += int(entry["tokens"])
+        self.rows += int(entry["rows"])
+        self.shards += 1
+        self.due()
+
+    def due(self) -> None:
+        """Call ``write()`` if it is due (class docstring)."""
+        if self.clock() - self.last <= self.gap:
+            return
+        t0 = time.perf_counter()
+        self.write()
+        self.writes += 1
+        self.gap = max(self.every_s, self.spacing * (time.perf_counter() - t0)) if self.every_s > 0 else 0.0
+        self.last = self.clock()
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.clock() - self.started, 1e-9)

@@ -42,8 +42,11 @@ from pipeline.dataset_card import write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import looks_local
 from pipeline.provenance import code_version, is_local_model, model_identity
+from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.rehearsal import REHEARSAL_BACKEND, is_rehearsal
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
+from pipeline.score_teacher.backends.rehearsal import rehearsal_identity
 from pipeline.score_teacher.backends.server import ApiKey, ServedTeacher, api_key, check_server, share_in_flight
 from pipeline.score_teacher.backends.vllm import check_installed, engine_args, engine_window
 from pipeline.score_teacher.corpus import (
@@ -82,6 +85,7 @@ from pipeline.score_teacher.writer import (
     write_manifest,
     write_shard,
 )
+from pipeline.shard_folder import ShardProgress
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT, SKIP_REASONS
 from storage_schemas import filesystem as sfs
@@ -126,6 +130,17 @@ class ScoreJobConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     progress: bool = True
     manifest_every_s: float = 10.0
+    plan: bool = False  # print the bill (shards, tokens, bytes, GPU-hours) and stop: no Ray, no model
+    plan_tokens_per_s: float | None = None  # teacher tokens/s of one GPU for the bill's GPU-hours
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        if self.plan_tokens_per_s is not None and not self.plan_tokens_per_s > 0:
+            found.append(f"plan_tokens_per_s: {self.plan_tokens_per_s} must be > 0")
+        if self.scorer.backend == REHEARSAL_BACKEND and self.teacher.window is None:
+            found.append("teacher.window: required with scorer.backend=rehearsal (no model states its context), "
+                         "e.g. teacher.window=4096")
+        return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +247,7 @@ class JobSummary:
     complete: bool
     failed: list[dict] = field(default_factory=list)  # shards given up in this run (pool.on_bad_shard=skip)
     actors: list[dict] = field(default_factory=list)  # where the scorer actors ran (ShardScorer.describe)
+    rehearsal: bool = False  # scored by the rehearsal teacher (pipeline.rehearsal): no model's losses
 
     @property
     def tokens_per_s(self) -> float:
@@ -261,7 +277,8 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         revision=cfg.teacher.revision,
         trust_remote_code=cfg.teacher.trust_remote_code,
     )
-    window = plan_window(cfg.teacher, cfg.scorer.backend, _context_length(cfg.teacher))
+    rehearsal = cfg.scorer.backend == REHEARSAL_BACKEND  # no model: its tokenizer and a hash (pipeline.rehearsal)
+    window = plan_window(cfg.teacher, cfg.scorer.backend, None if rehearsal else _context_length(cfg.teacher))
     served = _check_served(cfg, tokenizer) if cfg.scorer.backend == "server" else None
     if served is not None:
         window = served.fit_window(window, chosen=cfg.teacher.window is not None)
@@ -282,7 +299,8 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         "format": IDENTITY_FORMAT,
         "teacher": {
             "name": cfg.teacher.name,
-            **model_identity(cfg.teacher.model, cfg.teacher.revision),  # source, model, revision, digests
+            **(rehearsal_identity(scorer) if rehearsal  # source, model, revision, digests
+               else model_identity(cfg.teacher.model, cfg.teacher.revision)),
             "tokenizer_sha256": fingerprint(tokenizer),
             "vocab_size": len(tokenizer),
             "bos_id": settings.bos_id,
@@ -462,7 +480,8 @@ def _refuse_mismatch_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
 
 def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     version = code_version()
-    done, extra = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location)
+    done, extra = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location,
+                                 rehearsal=REHEARSAL_NOTE if is_rehearsal(prepared.identity) else None)
     pending = [s for s in prepared.shards if s.index not in done]
     if cfg.limit_shards is not None:
         pending = pending[: cfg.limit_shards]
@@ -497,6 +516,7 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
         complete=manifest["complete"],
         failed=run.failed,
         actors=run.actors,
+        rehearsal=is_rehearsal(prepared.identity),
     )
 
 
@@ -539,27 +559,29 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
         )
         bar = tqdm(total=len(pending), unit="shard", desc=f"starting {n_actors} actor{'s' * (n_actors > 1)}",
                    disable=not cfg.progress, dynamic_ncols=True)
-        t_start = time.perf_counter()
-        last_manifest = [time.monotonic()]
+        failed: list[dict] = []
+        progress = ShardProgress(lambda: write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards),
+                                                        version, failed=failed, **extra), cfg.manifest_every_s)
 
-        def progress(run: PoolRun) -> None:
-            tokens = sum(e["tokens"] for e in run.scored)
+        def shown(run: PoolRun) -> None:
+            failed[:] = run.failed
             bar.update(1)
-            bar.set_postfix(docs=sum(e["rows"] for e in run.scored), tokens=tokens, failed=len(run.failed),
-                            tok_s=f"{tokens / max(time.perf_counter() - t_start, 1e-9):.0f}")
-            if time.monotonic() - last_manifest[0] > cfg.manifest_every_s:
-                write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version,
-                               failed=run.failed, **extra)
-                last_manifest[0] = time.monotonic()
+            bar.set_postfix(docs=progress.rows, tokens=progress.tokens, failed=len(run.failed),
+                            tok_s=f"{progress.tokens_per_s():.0f}")
 
         def scored(entry: dict, run: PoolRun) -> None:
             done[entry["index"]] = entry
-            progress(run)
+            shown(run)
+            progress.scored(entry)
 
+        def given_up(failure: dict, run: PoolRun) -> None:
+            shown(run)
+            progress.due()
+
+        for_actors = replace(prepared, shards=[])  # each actor gets its shards one at a time, not the whole plan
         try:
-            return run_shards(lambda: actor_cls.remote(prepared, cfg.teacher, cfg, version, key), pending, cfg.pool,
-                              on_scored=scored, on_failed=lambda failure, run: progress(run),
-                              on_status=bar.set_description_str)
+            return run_shards(lambda: actor_cls.remote(for_actors, cfg.teacher, cfg, version, key), pending, cfg.pool,
+                              on_scored=scored, on_failed=given_up, on_status=bar.set_description_str)
         finally:
             bar.close()
     finally:

@@ -176,14 +176,16 @@ def prepare_output(
     overwrite: bool,
     *,
     location: dict | None = None,
+    rehearsal: str | None = None,
 ) -> tuple[dict[int, dict], dict]:
     """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries and
-    the manifest's extra fields (``location``) for every later :func:`write_manifest` of the run.
+    the manifest's extra fields (``location``, and ``rehearsal``'s note for a rehearsal's output)
+    for every later :func:`write_manifest` of the run.
 
     Refuses (``DatasetMismatchError``) a folder scored with another identity or holding shards
     without a manifest, unless ``overwrite`` (:func:`pipeline.shard_folder.prepare_folder`).
     """
-    extra: dict = {"location": location}
+    extra: dict = {"location": location, **({"rehearsal": rehearsal} if rehearsal else {})}
     done = prepare_folder(folder, identity, overwrite, SCORED)
     write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"], **extra)
     return done, extra
@@ -203,10 +205,12 @@ def write_manifest(
     *,
     location: dict | None = None,
     failed: list[dict] | None = None,
+    rehearsal: str | None = None,
 ) -> dict:
     """Write ``manifest.json`` from the finished shards' entries. ``location`` (where the teacher
     and corpus were found) is for people and never compared; ``failed`` lists the shards the
-    run gave up on (index, error, attempts), which have no marker and are scored by the next run."""
+    run gave up on (index, error, attempts), which have no marker and are scored by the next run;
+    ``rehearsal`` says the losses are a rehearsal's (:mod:`pipeline.rehearsal`)."""
     shards = [done[i] for i in sorted(done)]
     reasons: dict[str, int] = {}
     for entry in shards:
@@ -222,6 +226,8 @@ def write_manifest(
     extra = {"location": location} if location is not None else {}
     if failed is not None:
         extra["failed"] = sorted(failed, key=lambda f: f["index"])
+    if rehearsal:
+        extra["rehearsal"] = rehearsal
     manifest = manifest_of(SCORED, identity, done, n_planned, totals, code_version=code_version, **extra)
     write_json_atomic(sfs.child(folder, MANIFEST_NAME), manifest)
     return manifest
