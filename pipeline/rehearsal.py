@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 REHEARSAL_BACKEND = "rehearsal"
 NOTE = ("REHEARSAL: the losses come from a stand-in teacher (scorer.backend=rehearsal), a fixed hash of "
-        "each token and the two before it, not from a model; use them to rehearse costs, never to train")
+        "each token and the 8 before it, not from a model; use them to rehearse costs, never to train")
 
 
 class RehearsalDataError(UserError, ValueError):

@@ -108,11 +108,13 @@ class Pool:
         return cls(texts, [d["url"] for d in docs], [d["date"] for d in docs], [d["metadata"] for d in docs],
                    np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts)))
 
-    def chars_per_token(self, tokenizer, sample: int = 300) -> float:
-        """Characters per teacher token over the first ``sample`` pages."""
+    def chars_per_token(self, tokenizer, sample: int = 1500, seed: int = 0) -> float:
+        """Characters per teacher token over ``sample`` pages drawn at random."""
         from pipeline.tokenization import encode_batch
 
-        texts = self.texts[:sample]
+        picks = np.random.default_rng([seed, 1 << 20]).choice(len(self.texts), size=min(sample, len(self.texts)),
+                                                               replace=False)
+        texts = [self.texts[i] for i in picks.tolist()]
         return sum(map(len, texts)) / sum(len(e) for e in encode_batch(tokenizer, texts))
 
 
@@ -149,7 +151,7 @@ def build_corpus(out_dir: str | Path, fraction: float, tokenizer, seed: int = 0,
     returns its description: files, rows, bytes, the shape and the measured characters per token."""
     out = Path(out_dir)
     pool = Pool.of(pool_pages, seed)
-    shape = CorpusShape(fraction, seed, pool_pages, round(pool.chars_per_token(tokenizer), 4))
+    shape = CorpusShape(fraction, seed, pool_pages, round(pool.chars_per_token(tokenizer, seed=seed), 4))
     want = {"version": GENERATOR_VERSION, "shape": asdict(shape)}
     stamp = out / STAMP
     if stamp.is_file():

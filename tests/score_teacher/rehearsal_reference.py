@@ -11,8 +11,9 @@ import numpy as np
 from pipeline.score_teacher.backends.rehearsal import LOSS_QUANTILES
 
 MASK = (1 << 64) - 1
-MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9)
+GOLDEN = 0x9E3779B97F4A7C15
 SENTINEL = 0xFFFFFFFF
+CONTEXT = 8
 
 
 def mix(x: int) -> int:
@@ -23,20 +24,20 @@ def mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def reference_loss(seed: int, before2: int, before1: int, token: int) -> float:
-    """The documented function for one token, with Python integers and a hand-written interpolation."""
-    h = mix((seed + MULTIPLIERS[0] * token) & MASK) ^ ((MULTIPLIERS[1] * before1) & MASK) ^ ((MULTIPLIERS[2] * before2) & MASK)
-    u = (mix(h) >> 11) / 2.0**53
-    knots = [i / (len(LOSS_QUANTILES) - 1) for i in range(len(LOSS_QUANTILES))]  # probabilities k / K
-    k = min(bisect.bisect_right(knots, u) - 1, len(knots) - 2)
-    slope = (LOSS_QUANTILES[k + 1] - LOSS_QUANTILES[k]) / (knots[k + 1] - knots[k])
-    return float(np.float32(slope * (u - knots[k]) + LOSS_QUANTILES[k]))
+MULTIPLIERS = [mix(((k + 1) * GOLDEN) & MASK) | 1 for k in range(CONTEXT + 1)]
+
+
+def reference_loss(seed: int, window: list[int], i: int) -> float:
+    """The documented function for token ``i`` of ``window``, with Python integers."""
+    h = seed * GOLDEN
+    for k in range(CONTEXT + 1):
+        h += MULTIPLIERS[k] * (window[i - k] if i - k >= 0 else SENTINEL)
+    u = (mix(mix(h & MASK)) >> 11) / 2.0**53
+    knots = [j / (len(LOSS_QUANTILES) - 1) for j in range(len(LOSS_QUANTILES))]  # probabilities j / K
+    j = min(bisect.bisect_right(knots, u) - 1, len(knots) - 2)
+    slope = (LOSS_QUANTILES[j + 1] - LOSS_QUANTILES[j]) / (knots[j + 1] - knots[j])
+    return float(np.float32(slope * (u - knots[j]) + LOSS_QUANTILES[j]))
 
 
 def reference_window(seed: int, window: list[int]) -> list[float]:
-    out = [float("nan")]
-    for i in range(1, len(window)):
-        before1 = window[i - 1]
-        before2 = window[i - 2] if i >= 2 else SENTINEL
-        out.append(reference_loss(seed, before2, before1, window[i]))
-    return out
+    return [float("nan")] + [reference_loss(seed, window, i) for i in range(1, len(window))]

@@ -59,7 +59,7 @@ def test_the_output_says_rehearsal_in_identity_manifest_and_card(rehearsal_score
     manifest = read_manifest(rehearsal_scored)
     teacher = manifest["identity"]["teacher"]
     assert teacher["backend"] == "rehearsal" and teacher["source"] == "rehearsal" and teacher["model"] is None
-    assert teacher["rehearsal"]["version"] >= 1 and teacher["vocab_size"] == 151_646
+    assert teacher["rehearsal"]["version"] >= 1 and teacher["vocab_size"] == 151_936  # Qwen2.5: 151,643 + specials, padded
     assert manifest["rehearsal"] == NOTE and manifest["complete"]
     assert all(e["scored_by"]["engine"]["name"] == "rehearsal" for e in manifest["shards"])
     card = (rehearsal_scored / "README.md").read_text()
@@ -68,7 +68,7 @@ def test_the_output_says_rehearsal_in_identity_manifest_and_card(rehearsal_score
 
 def test_stored_losses_are_the_definition_of_the_stored_tokens(rehearsal_scored):
     """Documents longer than the window of 64 are scored in windows; each stored loss is still the
-    function of its token and the two before it in the document (every later window keeps 16
+    function of its token and the 8 before it in the document (every later window keeps 16
     tokens of left context), and the first token's is NaN (Qwen2 adds no BOS)."""
     checked = long = 0
     for path in sorted(rehearsal_scored.glob("shard-*.parquet")):
@@ -100,10 +100,14 @@ def test_a_rerun_scores_nothing_and_a_second_run_writes_the_same_bytes(rehearsal
 
 
 def test_stage2_refuses_rehearsal_scores_unless_told(rehearsal_scored, tiny_student, tmp_path):
-    from pipeline.train_student.run import run_training
-    from test_train_student import make_job
+    from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training
 
-    job = make_job(tiny_student, rehearsal_scored, tmp_path / "run", steps=2)
+    job = TrainJobConfig(
+        student=StudentConfig(name="t", model=str(tiny_student), seq_len=32),
+        data=DataConfig(folders=[str(rehearsal_scored)], cache_dir=str(tmp_path / "lengths"), num_workers=0),
+        train=TrainConfig(micro_batch_size=4, max_steps=2, logging_steps=1, save_steps=2, report_to=[], progress=False,
+                          use_cpu=True, cpu_threads=1),
+        output_dir=str(tmp_path / "run"))
     with pytest.raises(RehearsalDataError) as refused:
         run_training(job)
     message = str(refused.value)
@@ -114,11 +118,12 @@ def test_stage2_refuses_rehearsal_scores_unless_told(rehearsal_scored, tiny_stud
 
 
 def test_the_export_refuses_rehearsal_scores_unless_told(rehearsal_scored, tiny_student, tmp_path):
-    from export_helpers import make_export
-
+    from pipeline.export_student.config import DataConfig, ExportConfig, ExportJobConfig, StudentConfig
     from pipeline.export_student.job import run_export
 
-    job = make_export(tiny_student, rehearsal_scored, tmp_path / "out")
+    job = ExportJobConfig(student=StudentConfig(name="t", model=str(tiny_student), seq_len=32),
+                          data=DataConfig(folders=[str(rehearsal_scored)], cache_dir=str(tmp_path / "lengths")),
+                          export=ExportConfig(rows_per_shard=16, progress=False), output_dir=str(tmp_path / "out"))
     with pytest.raises(RehearsalDataError, match="data.allow_rehearsal=true"):
         run_export(job)
     assert not (tmp_path / "out").exists()
@@ -143,9 +148,14 @@ def test_train_student_says_so_in_one_line_exit_2(rehearsal_scored, tiny_student
 def test_the_rehearsal_preset_asks_no_model_and_needs_a_window(qwen_folder, micro_corpus, tmp_path):
     """The preset composes into a valid job (no model config is read, its window is 4096), and a
     rehearsal teacher without a window is refused before any work, naming the setting."""
+    from hydra import compose, initialize_config_dir
+
     from pipeline.config import ConfigError
     from stages.score_teacher import job_config
-    from test_configs import _compose
+
+    def _compose(name: str, overrides: list[str]):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            return compose(config_name=name, overrides=overrides)
 
     cfg = _compose("score_teacher", ["teacher=rehearsal-qwen2.5", f"teacher.model={qwen_folder}", "data.source=files",
                           f"data.files=[{micro_corpus[0]}]", f"output_root={tmp_path}"])
