@@ -15,6 +15,7 @@ FORMATS = ("parquet", "megatron")
 class RehearseConfig:
     fractions: list[float] = field(default_factory=lambda: [0.0001, 0.001, 0.01])  # of OpenWebMath's 6,315,233 documents
     seed: int = 0
+    pool_pages: int = 20_000  # sample pages the corpus's documents are cut from (rehearsal.corpus)
     steps: list[str] = field(default_factory=lambda: list(STEPS))  # which steps run (the others are left out)
     work_dir: str = "outputs/rehearsal"  # corpora, scored folders, exports, runs, caches; results per fraction
     out_dir: str = "bench-results"  # scale.json, scale.md, scale.png
@@ -28,7 +29,7 @@ class RehearseConfig:
     stride: int = 2048
     length_workers: int = 2
     loader_workers: int = 2  # data.num_workers of the training run
-    seq_len: int = 256  # the training run's (its steps stay cheap); the export packs export_seq_len
+    seq_len: int = 128  # the training run's (its steps stay cheap); the export packs export_seq_len
     export_seq_len: int = 2048
     micro_batch_size: int = 4
     train_steps: int = 200

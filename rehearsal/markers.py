@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-IDENTITY_NAME = "_IDENTITY.json"
 
 
 def identity(n: int) -> dict:
@@ -34,24 +33,26 @@ def identity(n: int) -> dict:
 
 def build(folder: Path, n: int) -> None:
     """``n`` one-document shards, each with the marker ``write_shard`` would write (as the job's
-    actors do: node, try, engine, seconds), without the per-file fsyncs (this is set-up, not measured)."""
+    actors do: node, try, engine, seconds), and the manifest the job writes at its end; without the
+    per-file fsyncs (this is set-up, not measured). The folder's stamp lies beside it."""
     from pipeline.score_teacher.teacher import ScoredDocument
-    from pipeline.score_teacher.writer import _parquet_options, documents_table
-    from pipeline.score_teacher.writer import StorageConfig
+    from pipeline.score_teacher.writer import StorageConfig, _parquet_options, documents_table, finished_shards, write_manifest
     from storage_schemas import marker_of, schema_with_metadata, shard_name
 
-    stamp = folder / IDENTITY_NAME
+    stamp = folder.with_name(folder.name + ".json")
     if stamp.is_file() and json.loads(stamp.read_text()).get("n") == n:
         return
     folder.mkdir(parents=True, exist_ok=True)
     ident = identity(n)
     text = "The sum 1 + 2 + 3 = 6."
-    doc = ScoredDocument("train-00000-of-00114.parquet:0", text, np.arange(8, dtype=np.int32),
-                         np.arange(8, dtype=np.int32), np.arange(1, 9, dtype=np.int32), np.full(8, 1.5, np.float32))
+    losses = np.full(8, 1.5, np.float32)
+    losses[0] = np.nan  # no BOS: nothing predicts the first token
     options = _parquet_options(StorageConfig())
     for i in range(n):
         source = {"file": f"train-{i // 222:05d}-of-00114.parquet", "kind": "parquet", "start": (i % 222) * 250,
                   "stop": (i % 222) * 250 + 1, "first_doc_id": f"train-{i // 222:05d}-of-00114.parquet:{(i % 222) * 250}"}
+        doc = ScoredDocument(source["first_doc_id"], text, np.arange(8, dtype=np.int32), np.arange(8, dtype=np.int32),
+                             np.arange(1, 9, dtype=np.int32), losses)
         table = documents_table([doc], schema_with_metadata(ident, {"index": i, **source}, "0.1.0"))
         name = shard_name(i)
         pq.write_table(table, folder / name, **options)
@@ -62,7 +63,8 @@ def build(folder: Path, n: int) -> None:
                                "engine": {"name": "vllm", "version": "0.33.0", "device": "cuda"}},
                  "seconds": 1.7}
         (folder / marker_of(name)).write_text(json.dumps(entry, indent=1, sort_keys=True) + "\n")
-    stamp.write_text(json.dumps({"n": n, "identity": ident}))
+    write_manifest(folder, ident, finished_shards(folder), n, "0.1.0", location={"corpus_files": []}, failed=[])
+    stamp.write_text(json.dumps({"n": n}))
 
 
 def op_resume(folder: Path, n: int) -> dict:
@@ -100,7 +102,7 @@ def op_progress(folder: Path, n: int) -> dict:
     for i in range(n):
         clock[0] += 12 * 3600 / n
         progress.scored(entries[i])
-    return {"cpu_s": time.process_time() - t0, "manifest_writes": len(listed),
+    return {"bookkeeping_cpu_s": time.process_time() - t0, "manifest_writes": len(listed),
             "manifest_shards_written": int(sum(listed)), "tokens": progress.tokens}
 
 
@@ -134,7 +136,7 @@ def run_markers(ctx, n: int) -> dict:
     for name in OPERATIONS:
         r = step(ctx, f"markers: {name}", ctx.module("rehearsal.markers", name, json.dumps({"folder": str(folder), "n": n})))
         result = step_result_json(r) if r.returncode == 0 else {"error": r.stdout_tail[-2000:]}
-        out["operations"][name] = {"wall_s": r.wall_s, "cpu_s": r.cpu_s, "peak_rss_mib": r.peak_tree_rss_mib, **result}
+        out["operations"][name] = {**result, "wall_s": r.wall_s, "cpu_s": r.cpu_s, "peak_rss_mib": r.peak_tree_rss_mib}
     return out
 
 

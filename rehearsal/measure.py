@@ -30,15 +30,19 @@ MIB = 2**20
 
 
 def role_of(cmdline: list[str], root_cmdline: list[str], parent_is_root: bool) -> str:
-    """A process's part in a step, from its command line (Ray retitles its workers ``ray::<Actor>``)."""
+    """A process's part in a step, from its command line (Ray retitles its workers ``ray::<Actor>``
+    once they hold an actor; until then they are ``ray worker``)."""
     text = " ".join(cmdline)
+    exe = os.path.basename(cmdline[0]) if cmdline else ""
     if text.startswith("ray::"):
         name = text.split()[0].removeprefix("ray::").split(".")[0]
         return "scorer actor" if name == "ShardScorer" else "ray worker" if name in ("IDLE", "") else f"ray {name}"
-    for marker, role in (("raylet", "raylet"), ("gcs_server", "gcs_server"), ("dashboard", "ray dashboard"),
+    if exe in ("raylet", "gcs_server"):
+        return exe
+    for marker, role in (("default_worker.py", "ray worker"), ("dashboard", "ray dashboard"),
                          ("log_monitor", "ray log monitor"), ("ray/_private", "ray helper"),
-                         ("multiprocessing.spawn", "spawned worker"), ("multiprocessing.resource_tracker", "mp helper"),
-                         ("default_worker.py", "ray worker")):
+                         ("ray/autoscaler", "ray helper"), ("multiprocessing.spawn", "spawned worker"),
+                         ("multiprocessing.resource_tracker", "mp helper")):
         if marker in text:
             return role
     if cmdline == root_cmdline and parent_is_root:
@@ -144,7 +148,7 @@ class TreeMonitor:
                     pass
             peak.peak_rss_mib = max(peak.peak_rss_mib, rss)
             peak.cpu_s = max(peak.cpu_s, times.user + times.system)
-            if peak.role == "raylet":
+            if peak.role == "raylet":  # the plasma store lives in the raylet
                 peak.peak_shmem_mib = max(peak.peak_shmem_mib, _shmem_mib(p.pid))
             total += rss
         self.peak_tree = max(self.peak_tree, total)

@@ -146,7 +146,7 @@ def run_fraction(ctx: Context, fraction: float) -> dict:
     if "corpus" in c.steps or not (corpus_dir / "data").is_dir():
         r = step(ctx, "corpus", ctx.module("rehearsal.steps", "corpus", json.dumps(
             {"out": str(corpus_dir), "fraction": fraction, "teacher_tokenizer": str(ctx.teacher_tokenizer),
-             "seed": c.seed})), outputs=[corpus_dir])
+             "seed": c.seed, "pool_pages": c.pool_pages})), outputs=[corpus_dir])
         require(r, "the corpus")
         steps["corpus"] = {**r.to_dict(), "result": step_result_json(r)}
     out["corpus"] = json.loads((corpus_dir / "_REHEARSAL_CORPUS.json").read_text())

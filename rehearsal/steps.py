@@ -18,7 +18,8 @@ def corpus(args: dict) -> dict:
     from pipeline.tokenization import load_tokenizer
     from rehearsal.corpus import build_corpus
 
-    return build_corpus(args["out"], args["fraction"], load_tokenizer(args["teacher_tokenizer"]), seed=args["seed"])
+    return build_corpus(args["out"], args["fraction"], load_tokenizer(args["teacher_tokenizer"]), seed=args["seed"],
+                        pool_pages=args["pool_pages"])
 
 
 def count(args: dict) -> dict:
