@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -48,6 +49,7 @@ from storage_schemas import filesystem as sfs
 from storage_schemas.layout import MARKER_SUFFIX
 
 MAIN_SUFFIX = ".parquet"
+MARKER_THREADS = 16  # markers read at once (requests in flight on an object store)
 ANY_SHARD_FILE = re.compile(r"^shard-\d{6}\.")  # a shard's file, a part of one, or a marker (either layout)
 Part = Callable[..., None]  # writes one or more files of a shard at the (local) paths it is given
 
@@ -222,11 +224,10 @@ def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:
     folder = os.fspath(folder) if sfs.is_remote(folder) else Path(folder)
     sizes = sfs.file_sizes(folder)
     done: dict[int, dict] = {}
-    for marker in sorted(n for n in sizes if n.startswith("shard-") and n.endswith(MARKER_SUFFIX)):
-        try:
-            entry = json.loads(sfs.read_bytes(sfs.child(folder, marker)))
-        except (OSError, json.JSONDecodeError):
-            continue  # gone since the listing, or torn (cannot happen with whole writes: never trust it)
+    markers = sorted(n for n in sizes if n.startswith("shard-") and n.endswith(MARKER_SUFFIX))
+    with ThreadPoolExecutor(max_workers=MARKER_THREADS) as pool:  # an object store answers each request late
+        read = list(pool.map(lambda name: _read_marker(folder, name), markers))
+    for marker, entry in zip(markers, read):
         file = entry.get("file") if isinstance(entry, dict) else None
         index = shard_index(file) if isinstance(file, str) else None
         if index is None or marker_of(file) != marker or entry.get("index") != index:
@@ -238,6 +239,15 @@ def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:
         if index not in done or file < done[index]["file"]:
             done[index] = entry
     return done
+
+
+def _read_marker(folder, name: str):
+    """A marker's entry, or None when it is gone since the listing or torn (cannot happen with whole
+    writes: never trust it)."""
+    try:
+        return json.loads(sfs.read_bytes(sfs.child(folder, name)))
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def remove_unreferenced(folder: str | os.PathLike, done: dict[int, dict]) -> list[str]:

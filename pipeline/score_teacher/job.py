@@ -38,7 +38,7 @@ from pipeline.config import (
     defaults,
     raise_if,
 )
-from pipeline.dataset_card import write_card_or_warn
+from pipeline.dataset_card import card_is_current, write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import looks_local
 from pipeline.provenance import code_version, is_local_model, model_identity
@@ -499,7 +499,8 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     done = finished_shards(cfg.output_dir)
     manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version,
                               failed=run.failed, **extra)
-    write_card_or_warn(cfg.output_dir, manifest)  # README.md for people and the hub; never fails the run
+    if run.scored or not card_is_current(cfg.output_dir, manifest):  # README.md for people and the hub
+        write_card_or_warn(cfg.output_dir, manifest)  # never fails the run
     totals = manifest["totals"]
     return JobSummary(
         output_dir=str(cfg.output_dir),

@@ -87,10 +87,16 @@ def test_stored_losses_are_the_definition_of_the_stored_tokens(rehearsal_scored)
     assert checked > 100 and long > 50
 
 
-def test_a_rerun_scores_nothing_and_a_second_run_writes_the_same_bytes(rehearsal_scored, qwen_folder, micro_corpus,
+def test_a_rerun_scores_nothing_keeps_a_current_card_and_a_second_run_writes_the_same_bytes(rehearsal_scored, qwen_folder, micro_corpus,
                                                                       ray_local, tmp_path):
+    card = rehearsal_scored / "README.md"
+    before = (card.stat().st_mtime_ns, card.read_bytes())
     again = run_score_job(rehearsal_job(qwen_folder, micro_corpus, rehearsal_scored))
     assert again.shards_scored == 0 and again.complete and again.rehearsal
+    assert (card.stat().st_mtime_ns, card.read_bytes()) == before  # the card already described these shards
+    card.write_text("a card of other shards")
+    run_score_job(rehearsal_job(qwen_folder, micro_corpus, rehearsal_scored))
+    assert card.read_bytes() == before[1]  # written again, as before
     other = run_score_job(rehearsal_job(qwen_folder, micro_corpus, tmp_path / "v1"))
     assert other.shards_scored == 4
     assert shard_digests(tmp_path / "v1") == shard_digests(rehearsal_scored)
