@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,8 +41,11 @@ def build(folder: Path, n: int) -> None:
     from storage_schemas import marker_of, schema_with_metadata, shard_name
 
     stamp = folder.with_name(folder.name + ".json")
-    if stamp.is_file() and json.loads(stamp.read_text()).get("n") == n:
+    manifest = folder / "manifest.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("n") == n and manifest.is_file() and len(
+            json.loads(manifest.read_text())["shards"]) == n:
         return
+    shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     ident = identity(n)
     text = "The sum 1 + 2 + 3 = 6."
@@ -106,7 +110,16 @@ def op_progress(folder: Path, n: int) -> dict:
             "manifest_shards_written": int(sum(listed)), "tokens": progress.tokens}
 
 
+def op_markers(folder: Path, n: int) -> dict:
+    """The markers against the manifest and the files (:func:`pipeline.inspection.validate.validate_markers`)."""
+    from pipeline.inspection.validate import validate_markers
+
+    report = validate_markers(folder)
+    return {"errors": len(report.errors), "warnings": len(report.warnings), "shards": report.shards_checked}
+
+
 def op_validate(folder: Path, n: int) -> dict:
+    """``make validate``: the markers, then every shard's checksum, footer and rows (one document each)."""
     from pipeline.inspection.validate import validate_dataset
 
     report = validate_dataset(folder, checksums=True)
@@ -122,7 +135,7 @@ def op_open(folder: Path, n: int) -> dict:
 
 
 OPERATIONS = {"resume planning": op_resume, "manifest writing": op_manifest, "driver bookkeeping": op_progress,
-              "marker validation": op_validate, "open for training": op_open}
+              "marker validation": op_markers, "open for training": op_open, "full validation": op_validate}
 
 
 def run_markers(ctx, n: int) -> dict:

@@ -141,9 +141,11 @@ class TreeMonitor:
             except psutil.Error:
                 continue
             peak = self.procs[p.pid]
-            if peak.role in ("ray worker", "other"):  # Ray retitles an idle worker when it becomes an actor
+            if peak.role != "driver":  # a worker forked by the raylet is exec'd, then retitled as an actor
                 try:
-                    peak.role = role_of(p.cmdline(), self.root_cmdline, p.ppid() == self.root.pid)
+                    cmd = p.cmdline()
+                    peak.role = role_of(cmd, self.root_cmdline, p.ppid() == self.root.pid)
+                    peak.command = " ".join(cmd)[:160]
                 except psutil.Error:
                     pass
             peak.peak_rss_mib = max(peak.peak_rss_mib, rss)

@@ -66,8 +66,14 @@ def bill(results: list[dict], cfg) -> dict:
                  "manifest_bytes": b["manifest_bytes"] / b["shards"] * shards, "core_hours": {}}
     for name in STAGES:
         s1, s2 = a["steps"].get(name), b["steps"].get(name)
-        if s1 and s2 and name not in ("rerun", "corpus"):
+        if s1 and s2 and name not in ("rerun", "corpus", "train"):  # a training run of fixed steps does not grow
             out["core_hours"][name] = linear(s1["cpu_s"], s2["cpu_s"], t1, t2, t) / 3600
+    train = b["steps"].get("train")
+    if train and b.get("student_tokens"):  # the data path of one pass: its workers' CPU per token trained
+        trained = cfg.train_steps * cfg.micro_batch_size * cfg.seq_len
+        workers = sum(train["roles"].get(r, {}).get("cpu_s", 0.0) for r in ("forked worker",))
+        out["loader_cpu_s_per_token"] = workers / trained
+        out["core_hours"]["train: data loader, one pass"] = workers / trained * b["student_tokens"] / t2 * t / 3600
     s1, s2 = a["steps"].get("stage1"), b["steps"].get("stage1")
     if s1 and s2:
         d1, d2 = s1["roles"]["driver"]["peak_rss_mib"], s2["roles"]["driver"]["peak_rss_mib"]
@@ -99,7 +105,7 @@ def targets(results: list[dict], grown: dict, markers: dict | None, total_wall: 
     for name, g in grown.items():
         if name in ("corpus",):
             continue
-        add(f"{name}: wall-time exponent 0.1%->1%", g["wall_exponent"], 1.04, "<=")
+        add(f"{name}: wall-time exponent between the two largest sizes", g["wall_exponent"], 1.04, "<=")
         add(f"{name}: peak RSS growth of every process", g["worst_rss_ratio"], 1.25, "<=", g["worst_rss_role"] or "")
     if results:
         b = results[-1]
@@ -133,8 +139,12 @@ def targets(results: list[dict], grown: dict, markers: dict | None, total_wall: 
                         float(k[what]["redone_at_most_in_flight"]), 1.0, ">=", f"{r['tag']}")
     if markers:
         for name, m in markers.get("operations", {}).items():
-            add(f"{markers['shards']:,}-shard folder: {name} (s)", m.get("wall_s"), 30.0, "<=",
-                f"peak RSS {m.get('peak_rss_mib', 0):,.0f} MiB")
+            note = f"peak RSS {m.get('peak_rss_mib', 0):,.0f} MiB"
+            if name == "full validation":  # reads every shard: not one of the issue's targets
+                rows.append({"target": f"{markers['shards']:,}-shard folder: {name} (s)", "value": m.get("wall_s"),
+                             "limit": None, "op": "", "ok": None, "note": note + "; every shard opened and read"})
+                continue
+            add(f"{markers['shards']:,}-shard folder: {name} (s)", m.get("wall_s"), 30.0, "<=", note)
     add("make rehearse: wall minutes", total_wall / 60, 30.0, "<=", "all fractions and steps")
     return rows
 

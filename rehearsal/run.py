@@ -215,8 +215,8 @@ def manifest_of_export(folder: Path) -> dict:
 
 def kill_and_rerun(ctx: Context, files: str, name: str, reference: Path, here: Path, steps: dict) -> dict:
     """Stage 1, then the export, each SIGKILLed ``kills`` times at random moments (as soon as a
-    random number of shards carry their marker, plus a random fraction of a second) and rerun to
-    the end: the output must equal the uninterrupted run's byte for byte, and no shard marked
+    random number of shards carry their marker, more than at the kill before, plus a random
+    fraction of a second) and rerun to the end: the output must equal the uninterrupted run's byte for byte, and no shard marked
     before a kill may be written again."""
     rng = random.Random(ctx.cfg.seed)
     scored = here / "scored-killed"
@@ -239,9 +239,11 @@ def kill_and_rerun(ctx: Context, files: str, name: str, reference: Path, here: P
 
 
 def kill_loop(ctx: Context, what: str, command, folder: Path, planned: int, rng: random.Random, here: Path) -> dict:
-    targets = sorted(rng.sample(range(1, planned), min(ctx.cfg.kills, planned - 1)))
     kills, seen = [], {}
-    for k, target in enumerate(targets):
+    for k in range(ctx.cfg.kills):
+        if len(seen) >= planned - 1:
+            break
+        target = rng.randint(len(seen) + 1, planned - 1)  # more marked than at the last kill, never all
         delay = rng.uniform(0.0, 1.0)
         state = {"at": None}
 
@@ -295,13 +297,12 @@ def on_s3(ctx: Context, corpus_dir: Path, name: str, here: Path) -> dict:
                     f.write(path.read_bytes())
             files, scored, exported = f"{bucket}/corpus/*.parquet", f"{bucket}/scored", f"{bucket}/export"
             logs = here / "logs"
-            for label, command in (
-                    ("s3 stage1", stage1_command(ctx, files, scored, name, logs / "s3-stage1")),
-                    ("s3 rerun", stage1_command(ctx, files, scored, name, logs / "s3-rerun")),
-                    ("s3 export", export_command(ctx, scored, exported, logs / "s3-export")),
-                    ("s3 validate", inspect_command(ctx, "validate", scored, logs / "s3-validate"))):
-                r = step(ctx, label, command, outputs=[scored if "stage1" in label else exported if "export" in label
-                                                       else f"{bucket}/none"])
+            for label, command, outputs in (
+                    ("s3 stage1", stage1_command(ctx, files, scored, name, logs / "s3-stage1"), [scored]),
+                    ("s3 rerun", stage1_command(ctx, files, scored, name, logs / "s3-rerun"), []),
+                    ("s3 export", export_command(ctx, scored, exported, logs / "s3-export"), [exported]),
+                    ("s3 validate", inspect_command(ctx, "validate", scored, logs / "s3-validate"), [])):
+                r = step(ctx, label, command, outputs=outputs)
                 require(r, label)
                 steps[label] = r.to_dict()
             steps["s3 rerun"]["summary"] = stage1_summary(logs / "s3-rerun")

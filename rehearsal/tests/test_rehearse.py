@@ -51,9 +51,11 @@ def test_a_tiny_rehearsal_through_every_stage(shared_tokenizers, tmp_path):
     assert steps["export"]["manifest_totals"]["rows"] > 0 and steps["export"]["files_written"] > 0
     markers = report["markers"]
     assert markers["shards"] == 40 and set(markers["operations"]) == {
-        "resume planning", "manifest writing", "driver bookkeeping", "marker validation", "open for training"}
+        "resume planning", "manifest writing", "driver bookkeeping", "marker validation", "open for training",
+        "full validation"}
     ops = markers["operations"]
     assert ops["resume planning"]["done"] == 40 and ops["marker validation"]["errors"] == 0
+    assert ops["marker validation"]["shards"] == ops["full validation"]["shards"] == 40 and ops["full validation"]["errors"] == 0
     assert ops["open for training"]["shards"] == 40 and ops["driver bookkeeping"]["tokens"] == 40 * 8
     assert {t["target"] for t in report["targets"]} >= {"make rehearse: wall minutes"}
     md = (tmp_path / "out" / "scale.md").read_text()
