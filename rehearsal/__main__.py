@@ -45,13 +45,25 @@ def rehearse(cfg: RehearseConfig) -> dict:
             "load": busy, "config": dataclasses.asdict(cfg), "seconds_this_call": time.perf_counter() - t0,
             "steps_wall_s": wall, "fractions": results, "growth": grown, "bill": bill(results, cfg),
             "markers": markers, "targets": targets(results, grown, markers, wall),
-            "shared_machine_note": "Measured on a machine other work shared (see the load average): the wall times "
-                                   "and the CPU seconds include what the contention cost."}
+            "shared_machine_note": busy_note([*results, markers or {}])}
+
+
+def busy_note(parts: list[dict]) -> str | None:
+    """A warning when other work shared the machine while some part ran (or its load is unknown)."""
+    cores = os.cpu_count() or 1
+    unknown = [p.get("tag", "markers") for p in parts if p and not p.get("load")]
+    busy = [p.get("tag", "markers") for p in parts if p.get("load") and p["load"]["mean_1min"] > 0.75 * cores]
+    if not unknown and not busy:
+        return None
+    return ("Other work shared the machine while " + ", ".join(busy + unknown) + " ran (load average above "
+            f"{0.75 * cores:g}, or not recorded): its wall times and CPU seconds include what the contention cost; "
+            "rerun on an idle machine for the figures to quote.")
 
 
 def run_everything(cfg: RehearseConfig) -> tuple[list[dict], dict | None]:
     """Every fraction, then the markers folder; a fraction (or the folder) whose results are saved
     is read back with ``reuse``."""
+    from benchmarks.measure import LoadSampler
     from rehearsal.markers import run_markers
     from rehearsal.run import Context, prepare_models, run_fraction, tag_of
 
@@ -68,7 +80,12 @@ def run_everything(cfg: RehearseConfig) -> tuple[list[dict], dict | None]:
         if cfg.reuse and saved.is_file():
             log.info("rehearse: %s reused from %s", name, saved)
             return json.loads(saved.read_text())
-        result = make()
+        load = LoadSampler()  # how busy the machine was while this part ran
+        try:
+            result = make()
+        finally:
+            busy = load.stop()
+        result["load"] = busy
         saved.write_text(json.dumps(result, indent=1, default=str))
         return result
 

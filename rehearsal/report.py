@@ -68,16 +68,11 @@ def bill(results: list[dict], cfg) -> dict:
         s1, s2 = a["steps"].get(name), b["steps"].get(name)
         if s1 and s2 and name not in ("rerun", "corpus", "train"):  # a training run of fixed steps does not grow
             out["core_hours"][name] = linear(s1["cpu_s"], s2["cpu_s"], t1, t2, t) / 3600
-    train = b["steps"].get("train")
-    if train and b.get("student_tokens"):  # the data path of one pass: its workers' CPU per token trained
-        trained = cfg.train_steps * cfg.micro_batch_size * cfg.seq_len
-        workers = sum(train["roles"].get(r, {}).get("cpu_s", 0.0) for r in ("forked worker",))
-        out["loader_cpu_s_per_token"] = workers / trained
-        out["core_hours"]["train: data loader, one pass"] = workers / trained * b["student_tokens"] / t2 * t / 3600
     s1, s2 = a["steps"].get("stage1"), b["steps"].get("stage1")
     if s1 and s2:
         d1, d2 = s1["roles"]["driver"]["peak_rss_mib"], s2["roles"]["driver"]["peak_rss_mib"]
-        out["driver_rss_mib"] = linear(d1, d2, a["shards"], b["shards"], shards)
+        # in shards; where the two sizes differ by less than the noise, the larger measured value
+        out["driver_rss_mib"] = max(d2, linear(d1, d2, a["shards"], b["shards"], shards))
         actor = (s2["roles"]["scorer actor"]["cpu_s"] - s1["roles"]["scorer actor"]["cpu_s"]) / (t2 - t1)
         whole = (s2["cpu_s"] - s1["cpu_s"]) / (t2 - t1)
         out["actor_cpu_s_per_token"] = actor
@@ -159,11 +154,19 @@ def _num(v, digits=2) -> str:
     return f"{v:.{digits}f}"
 
 
+def _load(part: dict) -> str:
+    load = part.get("load") or {}
+    return f"{load['mean_1min']} / {load['max_1min']}" if load else "not recorded"
+
+
 def markdown(report: dict) -> str:
     lines = ["# Scale rehearsal: OpenWebMath-shaped fractions through every stage", "",
-             f"{report['when']}; machine: {report['machine'].get('cpu_model')}, {report['machine'].get('cpu_count')} cores, "
-             f"load average {report.get('load_average', '-')} during the run. Teacher: the rehearsal teacher "
-             "(Qwen2.5's tokenizer, no model). Commands and settings: `scale.json`.", ""]
+             f"{report['when']}; machine: {report['machine'].get('cpu_model')}, {report['machine'].get('cpu_count')} cores; "
+             "1-minute load average while each part ran (mean / max): " + "; ".join(
+                 f"{r['tag']} {_load(r)}" for r in report["fractions"]) + (
+                 f"; markers {_load(report['markers'])}" if report.get("markers") else "")
+             + ". Teacher: the rehearsal teacher (Qwen2.5's tokenizer, no model). Commands and settings: `scale.json`.",
+             ""]
     if report.get("shared_machine_note"):
         lines += [f"> {report['shared_machine_note']}", ""]
     lines += ["## Targets", "", "| target | measured | limit | ok | note |", "|---|---|---|---|---|"]
@@ -208,7 +211,8 @@ def bill_table(b: dict) -> str:
     for name, hours in b.get("core_hours", {}).items():
         rows.append((f"CPU core-hours: {name}", f"{hours:,.1f}"))
     if "driver_rss_mib" in b:
-        rows += [("stage-1 driver's peak memory", f"{b['driver_rss_mib']:,.0f} MiB"),
+        rows += [("stage-1 driver's peak memory (linear in shards from the two sizes, at least the larger)",
+                  f"{b['driver_rss_mib']:,.0f} MiB"),
                  ("GPU-hours of the forward at 39,000 tokens/s", f"{b['gpu_hours']:,.0f}"),
                  ("CPU cores per GPU to keep up at 39,000 tokens/s: its actor / the whole job",
                   f"{b['cores_per_gpu_actor']:.2f} / {b['cores_per_gpu_job']:.2f}")]
@@ -261,9 +265,10 @@ def write_docs_bill(page: Path, report: dict) -> bool:
         return False
     head, rest = text.split(BILL_BEGIN, 1)
     _, tail = rest.split(BILL_END, 1)
-    body = (f"\nMeasured by `make rehearse` on {report['when']} ({report['machine'].get('cpu_count')} cores, load average "
-            f"{report.get('load_average', '-')}); fractions {', '.join(r['tag'] for r in report['fractions'])}, "
-            f"extrapolated linearly from the two largest:\n\n{bill_table(report.get('bill') or {})}\n\n")
+    body = (f"\nMeasured by `make rehearse` on {report['when']} ({report['machine'].get('cpu_count')} cores; load "
+            "average while each size ran: " + "; ".join(f"{r['tag']} {_load(r)}" for r in report["fractions"])
+            + f"); fractions {', '.join(r['tag'] for r in report['fractions'])}, extrapolated linearly from the two "
+            f"largest:\n\n{bill_table(report.get('bill') or {})}\n\n")
     page.write_text(head + BILL_BEGIN + body + BILL_END + tail)
     return True
 
