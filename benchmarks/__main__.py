@@ -96,7 +96,7 @@ class Inputs:
         shutil.rmtree(out, ignore_errors=True)
         log.info("scoring %d sample documents with the tiny teacher (float32 losses) for the cases that read scored data", n)
         run_score_job(ScoreJobConfig(
-            teacher=TeacherConfig(name="tiny", model=str(teacher), stride=384),
+            teacher=TeacherConfig(name="tiny", model=str(teacher), stride=self.cfg.scored_stride),
             corpus=CorpusConfig(name="bench-input", files=[str(f) for f in corpus],
                                 rows_per_shard=self.cfg.scored_rows_per_shard),
             scorer=ScorerConfig(), output_dir=str(out), pool=PoolConfig(num_actors=1, num_cpus=2), progress=False,

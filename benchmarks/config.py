@@ -56,6 +56,7 @@ class BenchConfig:
     # storage setting rounds the teacher's own values (benchmarks.__main__.Inputs.scored_dataset).
     scored_docs: int = 1200
     scored_rows_per_shard: int = 100  # 12 shards: the export's memory case compares 3 with 12
+    scored_stride: int = 384  # the embedded tiny teacher's (conf/teacher/tiny.yaml)
     alignment: AlignmentBenchConfig = field(default_factory=AlignmentBenchConfig)
     stage1: Stage1BenchConfig = field(default_factory=Stage1BenchConfig)
     storage: StorageBenchConfig = field(default_factory=StorageBenchConfig)

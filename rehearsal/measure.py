@@ -7,9 +7,10 @@ be SIGKILLed with everything it started), watched from here.
   and the larger of the two is the figure (a SIGKILLed tree is reaped by no one but ``init``).
 * **Peak RSS of every process** of the tree (the driver, Ray's ``raylet`` and ``gcs_server``, each
   scorer actor, data-loader and length-count workers), sampled; grouped by role.
-* **Ray's object store**: its high-water mark read as the ``raylet``'s resident shared memory
-  (``RssShmem``: the plasma store's pages are mapped from ``/dev/shm`` into the raylet and stay
-  resident once touched), sampled.
+* **Ray's object store**: its high-water mark read as resident shared memory (``RssShmem``), the
+  largest in any process of the tree: the plasma store's pages are mapped from ``/dev/shm`` into the
+  raylet and into each worker that writes or reads an object, and stay resident once touched;
+  objects small enough to travel inline never reach it.
 * **Files and bytes written**: the output folders listed after the step.
 * **Events**: the moment a watched file first appears (a shard marker, the first line of
   ``metrics.jsonl``), relative to the start.
@@ -150,8 +151,7 @@ class TreeMonitor:
                     pass
             peak.peak_rss_mib = max(peak.peak_rss_mib, rss)
             peak.cpu_s = max(peak.cpu_s, times.user + times.system)
-            if peak.role == "raylet":  # the plasma store lives in the raylet
-                peak.peak_shmem_mib = max(peak.peak_shmem_mib, _shmem_mib(p.pid))
+            peak.peak_shmem_mib = max(peak.peak_shmem_mib, _shmem_mib(p.pid))
             total += rss
         self.peak_tree = max(self.peak_tree, total)
         now = time.perf_counter() - self.t0
@@ -232,13 +232,13 @@ def run_step(name: str, command: list[str], *, outputs: list[str] = (), env: dic
     files, size = folder_size(list(outputs)) if outputs else (0, 0)
     cpu_rusage = rusage.ru_utime + rusage.ru_stime if rusage else 0.0
     cpu_sampled = sum(p.cpu_s for p in monitor.procs.values())
-    raylets = [p.peak_shmem_mib for p in monitor.procs.values() if p.role == "raylet"]
+    shared = [p.peak_shmem_mib for p in monitor.procs.values()]
     tail = out_file.read_bytes()[-4000:].decode("utf-8", "replace")
     out_file.unlink(missing_ok=True)
     return StepResult(name=name, command=command, returncode=child.returncode, wall_s=wall,
                       cpu_s=max(cpu_rusage, cpu_sampled), cpu_rusage_s=cpu_rusage, cpu_sampled_s=cpu_sampled,
                       peak_tree_rss_mib=monitor.peak_tree, roles=monitor.roles(),
-                      object_store_peak_mib=max(raylets, default=0.0), files_written=files, bytes_written=size,
+                      object_store_peak_mib=max(shared, default=0.0), files_written=files, bytes_written=size,
                       events=monitor.events, killed_at_s=killed_at, stdout_tail=tail, samples=monitor.samples)
 
 

@@ -174,7 +174,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {t['target']} | {_num(t['value'])} | {t['op']} {_num(t['limit'])} | "
                      f"{'-' if t['ok'] is None else ('yes' if t['ok'] else '**no**')} | {t['note']} |")
     lines += ["", "## Each step", "",
-              "| fraction | step | wall s | CPU s | peak RSS MiB: driver / actor / raylet / workers | object store MiB | written |",
+              "| fraction | step | wall s | CPU s | peak RSS MiB: driver / actor / raylet / workers | shared memory MiB (stage 1: Ray's object store) | written |",
               "|---|---|---|---|---|---|---|"]
     for r in report["fractions"]:
         for name, s in r["steps"].items():

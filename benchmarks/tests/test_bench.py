@@ -189,7 +189,7 @@ def test_the_cases_read_scored_data_the_bench_made_with_float32_losses(micro_tea
     from storage_schemas import read_manifest
 
     monkeypatch.setattr(pipeline.embedded, "ensure_tiny_teacher", lambda artifacts: micro_teacher)
-    cfg = BenchConfig(work_dir=str(tmp_path / "work"), scored_docs=30, scored_rows_per_shard=10)
+    cfg = BenchConfig(work_dir=str(tmp_path / "work"), scored_docs=30, scored_rows_per_shard=10, scored_stride=32)
     folder = bench.Inputs(cfg).scored_dataset()
     manifest = read_manifest(folder)
     assert folder.is_relative_to(tmp_path / "work") and manifest["complete"]
