@@ -393,7 +393,10 @@ def shard_problems(folder: Path | str, entry: dict | None, manifest: Mapping, *,
     try:
         fs, inside = sfs.resolve(path)  # the footer read once, through the cached file system
         with fs.open_input_file(inside) as f:
-            footer = pq.ParquetFile(f)
+            try:
+                footer = pq.ParquetFile(f)
+            except Exception as exc:  # pyarrow raises several types for unreadable files
+                raise ContractError(f"{path}: not a readable Parquet file ({exc})") from exc
             meta = read_shard_metadata(path, footer.schema_arrow)
             parquet_meta = footer.metadata
     except ContractError as exc:
