@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 .DEFAULT_GOAL := help
 
-.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro eval-student compare clean clean-outputs
+.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro rehearse eval-student compare clean clean-outputs
 
 help:  ## every target, one line each
 	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -106,6 +106,11 @@ gpu-bench:  ## the GPU paths at full scale (bench-results/gpu-latest.*; ARGS="sm
 GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime
 gpu-bench-wheels: setup  ## Hydra's wheels for a GPU machine without them (.gpu-wheels/)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir .gpu-wheels $$($(PY) -c 'import sys, importlib.metadata as m; print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))' $(GPU_WHEELS))
+
+# OpenWebMath's scale on CPUs with the rehearsal teacher (no model): fractions of an OpenWebMath-shaped
+# corpus through every stage, measured; bench-results/scale.{json,md,png} (ARGS="fractions=[0.0001,0.001]")
+rehearse: setup  ## every stage at 0.01%, 0.1% and 1% of OpenWebMath, measured (bench-results/scale.*; ~30 min)
+	$(PY) -m rehearsal $(ARGS)
 
 # Few-shot chain-of-thought math accuracy of a checkpoint; results side by side
 eval-student: setup  ## a checkpoint's accuracy on math tasks and held-out bits per byte

@@ -1,8 +1,8 @@
 """Bench entry point: ``python -m benchmarks [hydra overrides]`` (``make bench``).
 
 Reads as a list of steps: compose and check the config (:mod:`benchmarks.config`; ``quick=true``
-merges its ``QUICK_SIZES``), find or make the scored dataset the storage, student-data and teachers
-cases read, run each case (a failed case becomes an ``error`` line, the others still run), write
+merges its ``QUICK_SIZES``), make the scored dataset the storage, student-data, teachers and export
+cases read (never one found on disk: each run measures the input it made), run each case (a failed case becomes an ``error`` line, the others still run), write
 ``latest.json`` and ``latest.md``, print the table.
 Usage: ``make bench``, ``make bench ARGS="quick=true"``, ``make bench ARGS="cases=[alignment,storage]"``;
 any setting by name, e.g. ``alignment.repeats=3``.
@@ -80,33 +80,36 @@ class Inputs:
         return ensure_tiny_teacher(artifacts), [str(f) for f in ensure_sample_corpus(artifacts)]
 
     def scored_dataset(self) -> Path:
-        """The configured scored dataset if complete; else one made now with the tiny teacher."""
+        """The scored dataset the cases read, made once per bench run (:meth:`_make_scored`)."""
         if self._scored is None:
-            self._scored = self._find_or_make_scored()
+            self._scored = self._make_scored()
         return self._scored
 
-    def _find_or_make_scored(self) -> Path:
-        import json
+    def _make_scored(self) -> Path:
+        """``scored_docs`` sample documents scored now by the embedded tiny teacher into a fresh
+        folder, with compact encodings and float32 losses (no rounding): what the storage case
+        rewrites with each setting, and the others read, whatever stage-1 output exists elsewhere."""
+        import shutil
 
-        folder = Path(to_absolute_path(self.cfg.scored_dataset))
-        manifest = folder / "manifest.json"
-        if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
-            return folder
         from benchmarks.inputs import sample_corpus
         from pipeline.embedded import ensure_tiny_teacher
         from pipeline.score_teacher.backends.base import ScorerConfig
         from pipeline.score_teacher.corpus import CorpusConfig
         from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+        from pipeline.score_teacher.writer import StorageConfig
 
-        n = self.cfg.fallback_docs
-        log.warning("%s is not a complete scored dataset; scoring %d sample documents with the tiny teacher", folder, n)
+        n = self.cfg.scored_docs
         teacher = ensure_tiny_teacher(to_absolute_path(self.cfg.artifacts_dir))
-        corpus = sample_corpus(self.work / "fallback", n)
-        out = self.work / "fallback" / f"scored-tiny-n{n}"
+        corpus = sample_corpus(self.work / "scored-input", n)
+        out = self.work / "scored-input" / f"scored-tiny-n{n}-float32"
+        shutil.rmtree(out, ignore_errors=True)
+        log.info("scoring %d sample documents with the tiny teacher (float32 losses) for the cases that read scored data", n)
         run_score_job(ScoreJobConfig(
-            teacher=TeacherConfig(name="tiny", model=str(teacher), stride=384),
-            corpus=CorpusConfig(name="bench-fallback", files=[str(f) for f in corpus], rows_per_shard=250),
+            teacher=TeacherConfig(name="tiny", model=str(teacher), stride=self.cfg.scored_stride),
+            corpus=CorpusConfig(name="bench-input", files=[str(f) for f in corpus],
+                                rows_per_shard=self.cfg.scored_rows_per_shard),
             scorer=ScorerConfig(), output_dir=str(out), pool=PoolConfig(num_actors=1, num_cpus=2), progress=False,
+            storage=StorageConfig(loss_precision="float32"),
         ))
         return out
 

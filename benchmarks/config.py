@@ -25,11 +25,11 @@ from benchmarks.teachers import TeachersBenchConfig
 from benchmarks.threads import ThreadsBenchConfig
 from benchmarks.vllm_backend import VLLMBackendBenchConfig
 from pipeline.config import build, check_at_least, raise_if
-from storage_schemas import dataset_dir
 
 # Merged over the settings when quick=true: same code paths, tiny sizes, one repetition.
 QUICK_SIZES: dict[str, Any] = {
-    "fallback_docs": 40,
+    "scored_docs": 40,
+    "scored_rows_per_shard": 10,
     "alignment": {"min_bytes": 131072, "repeats": 2, "dtw_docs": 1, "dtw_budget_s": 3.0},
     "stage1": {"n_docs": 8, "repeats": 1,
                "model": {"hidden_size": 64, "num_layers": 2, "intermediate_size": 128, "num_heads": 2}},
@@ -56,11 +56,13 @@ class BenchConfig:
     work_dir: str = "outputs/bench-work"  # scratch: cached tokenizers, random-weight models, corpora
     tokenizers_dir: str = "../shared/tokenizers"  # the paper's real vocabularies
     artifacts_dir: str = "artifacts"  # embedded sample corpus and tiny teacher (make score-teacher)
-    # The scored dataset (stage-1 output) the storage, student-data and teachers cases read: the
-    # embedded default's. When it is missing or incomplete, the bench scores fallback_docs sample
-    # documents with the embedded tiny teacher itself (built and cached under artifacts_dir).
-    scored_dataset: str = str(dataset_dir("outputs/scored", "owm-sample", "tiny"))
-    fallback_docs: int = 300
+    # The scored dataset (stage-1 output) the storage, student-data, teachers and export cases read:
+    # made by each bench run in work_dir, never an existing folder: scored_docs sample documents scored
+    # by the embedded tiny teacher (built and cached under artifacts_dir) with float32 losses, so each
+    # storage setting rounds the teacher's own values (benchmarks.__main__.Inputs.scored_dataset).
+    scored_docs: int = 1200
+    scored_rows_per_shard: int = 100  # 12 shards: the export's memory case compares 3 with 12
+    scored_stride: int = 384  # the embedded tiny teacher's (conf/teacher/tiny.yaml)
     alignment: AlignmentBenchConfig = field(default_factory=AlignmentBenchConfig)
     stage1: Stage1BenchConfig = field(default_factory=Stage1BenchConfig)
     storage: StorageBenchConfig = field(default_factory=StorageBenchConfig)
@@ -77,7 +79,8 @@ class BenchConfig:
 
     def problems(self) -> list[str]:
         problems = [f"cases: {c!r} is not one of {', '.join(CASES)}" for c in self.cases if c not in CASES]
-        check_at_least(problems, "fallback_docs", self.fallback_docs, 1)
+        check_at_least(problems, "scored_docs", self.scored_docs, 1)
+        check_at_least(problems, "scored_rows_per_shard", self.scored_rows_per_shard, 1)
         return problems
 
     def case(self, name: str):

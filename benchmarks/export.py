@@ -1,8 +1,8 @@
 """The export (``make export-student``): throughput per core next to tokenization alone, bytes per
 student token of each format, and peak memory as the corpus grows.
 
-On a real scored dataset (stage-1 output; by default the tiny teacher's scoring of the sample
-corpus) with a real student tokenizer (TinyLlama's Llama-2 SentencePiece), single-threaded:
+On a real scored dataset (stage-1 output the bench makes itself: the tiny teacher's scoring of
+sample documents, float32 losses) with a real student tokenizer (TinyLlama's Llama-2 SentencePiece), single-threaded:
 
 * ``tokenize``: :func:`pipeline.tokenization.encode_batch` of the same documents, a row group per
   call: the student tokenization the export cannot avoid;

@@ -311,3 +311,25 @@ def profile_parts(fn: Callable[[], object], parts: Mapping[str, tuple[str, str]]
         cumulative = sum(found)
         out["parts"][label] = {"cumulative_s": cumulative, "share": cumulative / total if total else None}
     return out
+
+
+class LoadSampler:
+    """The 1-minute load average every ``every`` seconds while a long run goes on (a daemon thread),
+    so its report can say how busy the machine was throughout, not only at the start and the end."""
+
+    def __init__(self, every: float = 30.0):
+        self.samples: list[float] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self._done.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._done.wait(every)
+
+    def stop(self) -> dict:
+        self._done.set()
+        xs = self.samples or [os.getloadavg()[0]]
+        return {"mean_1min": round(sum(xs) / len(xs), 2), "max_1min": round(max(xs), 2), "samples": len(xs),
+                "every_s": 30.0}

@@ -1,8 +1,8 @@
 """Bytes on disk per teacher token, all columns and the Parquet footer included.
 
-The rows of a real scored dataset (stage-1 output: by default the embedded tiny teacher's scoring
-of the sample corpus, whose losses come from a trained model and so have a realistic spread) are
-written again, shard by shard, with each storage setting:
+The rows of a real scored dataset (stage-1 output the bench makes itself: the embedded tiny
+teacher's scoring of sample documents with float32 losses, which come from a trained model and so
+have a realistic spread) are written again, shard by shard, with each storage setting:
 
 * the settings the pipeline offers, through :func:`pipeline.score_teacher.writer.write_shard` itself
   (``StorageConfig``: ``default``, ``compact`` encodings, ``bfloat16``/``float16`` loss rounding,

@@ -41,6 +41,8 @@ from pipeline.loss_histogram import (
     loss_histogram_query,
     merge_bins,
 )
+from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.rehearsal import is_rehearsal
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,
@@ -278,6 +280,8 @@ def _title(manifest: Mapping) -> str:
             f"{' ' + str(manifest['code_version']) if manifest.get('code_version') else ''}; "
             "`manifest.json` beside this card is the authoritative record of the dataset "
             "(identity, shard files, checksums).")
+    if is_rehearsal(identity):
+        text += f"\n\n> **{REHEARSAL_NOTE}.**"
     if not manifest.get("complete"):
         text += (f"\n\n> **Partial dataset**: {totals.get('shards', 0):,} of "
                  f"{manifest.get('n_shards_planned', 0):,} planned shards are scored. Counts and statistics "
@@ -544,6 +548,18 @@ def write_card_or_warn(folder: str | os.PathLike, manifest: Mapping | None = Non
                     type(exc).__name__, exc, folder, exc_info=True)
         _remove_stale(filesystem.join(os.fspath(folder), CARD_NAME))
         return None
+
+
+def card_is_current(folder: str | os.PathLike, manifest: Mapping) -> bool:
+    """Whether the folder's card already describes these shards: it holds the counts this
+    manifest gives (shards, documents, tokens and bytes to the byte). A rerun that scored nothing
+    then keeps it instead of reading up to :data:`STATS_TOKEN_BUDGET` losses again."""
+    location = filesystem.join(os.fspath(folder), CARD_NAME)
+    try:
+        text = filesystem.read_bytes(location).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return bool(manifest.get("complete")) and _counts(manifest) in text
 
 
 def _remove_stale(location: str) -> None:

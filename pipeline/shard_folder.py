@@ -28,7 +28,9 @@ import json
 import os
 import re
 import tempfile
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -50,6 +52,7 @@ from storage_schemas import filesystem as sfs
 from storage_schemas.layout import MARKER_SUFFIX
 
 MAIN_SUFFIX = ".parquet"
+MARKER_THREADS = 16  # markers read at once (requests in flight on an object store)
 ANY_SHARD_FILE = re.compile(r"^shard-\d{6}\.")  # a shard's file, a part of one, or a marker (either layout)
 Part = Callable[..., None]  # writes one or more files of a shard at the (local) paths it is given
 
@@ -295,13 +298,10 @@ def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:
     folder = os.fspath(folder) if sfs.is_remote(folder) else Path(folder)
     sizes = sfs.file_sizes(folder)
     done: dict[int, dict] = {}
-    for marker in sorted(n for n in sizes if n.startswith("shard-") and n.endswith(MARKER_SUFFIX)):
-        try:
-            entry = json.loads(sfs.read_bytes(sfs.child(folder, marker)))
-        except (OSError, json.JSONDecodeError) as exc:
-            if sfs.unavailable(exc):
-                raise  # the store did not answer: the marker may well be there
-            continue  # gone since the listing, or torn (cannot happen with whole writes: never trust it)
+    markers = sorted(n for n in sizes if n.startswith("shard-") and n.endswith(MARKER_SUFFIX))
+    with ThreadPoolExecutor(max_workers=MARKER_THREADS) as pool:  # an object store answers each request late
+        read = list(pool.map(lambda name: _read_marker(folder, name), markers))
+    for marker, entry in zip(markers, read):
         file = entry.get("file") if isinstance(entry, dict) else None
         index = shard_index(file) if isinstance(file, str) else None
         if index is None or marker_of(file) != marker or entry.get("index") != index:
@@ -313,6 +313,17 @@ def finished_shards(folder: str | os.PathLike) -> dict[int, dict]:
         if index not in done or file < done[index]["file"]:
             done[index] = entry
     return done
+
+
+def _read_marker(folder, name: str):
+    """A marker's entry, or None when it is gone since the listing or torn (cannot happen with whole
+    writes: never trust it)."""
+    try:
+        return json.loads(sfs.read_bytes(sfs.child(folder, name)))
+    except (OSError, json.JSONDecodeError) as exc:
+        if sfs.unavailable(exc):
+            raise  # the store did not answer: the marker may well be there
+        return None
 
 
 def remove_unreferenced(folder: str | os.PathLike, done: dict[int, dict]) -> list[str]:
@@ -338,3 +349,37 @@ def manifest_of(kind: FolderKind, identity: dict, done: dict[int, dict], n_plann
     its finished shards in order; ``extra`` fields (``location``, ``code_version``, ...) added as given."""
     return {kind.version_key: kind.version, "identity": identity, "complete": len(done) == n_planned,
             "n_shards_planned": n_planned, "totals": totals, "shards": [done[i] for i in sorted(done)], **extra}
+
+
+class ShardProgress:
+    """The driver's bookkeeping as shards finish, in constant time per shard: running totals for
+    the progress bar, and ``write()`` (the manifest) called when due: at most every ``every_s``
+    seconds and, unless ``every_s`` is 0 (after every shard), at least ``spacing`` times its last
+    call's duration after it, so that rewriting a manifest of N shards never takes more than
+    1/``spacing`` of the driver's time, whatever N. Shared by stage 1's driver and the export."""
+
+    def __init__(self, write, every_s: float, spacing: float = 50.0, clock=time.monotonic):
+        self.write, self.every_s, self.spacing, self.clock = write, every_s, spacing, clock
+        self.tokens = self.rows = self.shards = 0
+        self.started = self.last = clock()
+        self.gap = every_s
+        self.writes = 0
+
+    def scored(self, entry: dict) -> None:
+        self.tokens += int(entry["tokens"])
+        self.rows += int(entry["rows"])
+        self.shards += 1
+        self.due()
+
+    def due(self) -> None:
+        """Call ``write()`` if it is due (class docstring)."""
+        if self.clock() - self.last <= self.gap:
+            return
+        t0 = time.perf_counter()
+        self.write()
+        self.writes += 1
+        self.gap = max(self.every_s, self.spacing * (time.perf_counter() - t0)) if self.every_s > 0 else 0.0
+        self.last = self.clock()
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.clock() - self.started, 1e-9)

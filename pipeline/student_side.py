@@ -229,12 +229,12 @@ def _shard_lengths(dataset: ScoredDataset, tokenizer, cache_dir, num_proc: int, 
     todo = [i for i, r in enumerate(results) if r is None]
     if todo:
         log.info("counting student tokens of %d shard(s) (cached for later runs)", len(todo))
-        jobs = [(dataset.shards[i], tokenizer, full) for i in todo]
-        if num_proc > 1 and len(todo) > 1:
-            with ProcessPoolExecutor(min(num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-                computed = list(pool.map(_count_shard, jobs))
+        if num_proc > 1 and len(todo) > 1:  # the tokenizer goes to each worker once, not with every shard
+            with ProcessPoolExecutor(min(num_proc, len(todo)), mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_keep_tokenizer, initargs=(tokenizer,)) as pool:
+                computed = list(pool.map(_count_shard_here, [(dataset.shards[i], full) for i in todo]))
         else:
-            computed = [_count_shard(job) for job in jobs]
+            computed = [_count_shard((dataset.shards[i], tokenizer, full)) for i in todo]
         for i, value in zip(todo, computed):
             results[i] = value
             if folder is not None and not isinstance(value, str):
@@ -265,6 +265,19 @@ def _on_rank_zero(compute):
     if status == "error":
         raise value
     return value
+
+
+_WORKER_TOKENIZER = None  # a count worker's tokenizer (_keep_tokenizer)
+
+
+def _keep_tokenizer(tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _count_shard_here(job: tuple[ShardInfo, bool]) -> np.ndarray | str:
+    """:func:`_count_shard` in a count worker, with the tokenizer it was started with."""
+    return _count_shard((job[0], _WORKER_TOKENIZER, job[1]))
 
 
 def _count_shard(job: tuple[ShardInfo, object, bool]) -> np.ndarray | str:

@@ -16,7 +16,6 @@ import logging
 import os
 import platform
 import sys
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +24,7 @@ from hydra import compose
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
+from benchmarks.measure import LoadSampler
 from repro.build import build_corpora, build_student, build_student_corpus, build_teacher, describe_student_corpus
 from repro.config import MAIN_CORPUS, ArmConfig, ReproConfig, study_config
 from stages.common import entry_point, quiet_libraries
@@ -253,28 +253,6 @@ def base_scores(folder: Path, held_out: list[str], study: ReproConfig) -> dict:
                             study.eval.window)
     cache.write_text(json.dumps({"key": key, "scores": scores}))
     return scores
-
-
-class LoadSampler:
-    """The 1-minute load average every ``every`` seconds while the study runs (a daemon thread), so
-    the report can say how busy the machine was throughout, not only at the start and the end."""
-
-    def __init__(self, every: float = 30.0):
-        self.samples: list[float] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
-        self._thread.start()
-
-    def _run(self, every: float) -> None:
-        while not self._done.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._done.wait(every)
-
-    def stop(self) -> dict:
-        self._done.set()
-        xs = self.samples or [os.getloadavg()[0]]
-        return {"mean_1min": round(sum(xs) / len(xs), 2), "max_1min": round(max(xs), 2), "samples": len(xs),
-                "every_s": 30.0}
 
 
 def _cpus() -> int:

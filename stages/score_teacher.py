@@ -22,7 +22,9 @@ from rich.console import Console
 
 from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher, sample_corpus_dir, tiny_teacher_dir
 from pipeline.embedded.tiny_teacher import TinyTeacherSpec
-from pipeline.model_source import check_teacher_source
+from pipeline.model_source import check_teacher_source, check_tokenizer_source
+from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.rehearsal import REHEARSAL_BACKEND
 from pipeline.score_teacher.job import (
     JobSummary,
     ScoreJobConfig,
@@ -30,6 +32,7 @@ from pipeline.score_teacher.job import (
     run_score_job,
     score_job_config,
 )
+from pipeline.score_teacher.plan import ScorePlan, plan_score_job
 from stages.common import (
     ConfigError,
     entry_point,
@@ -93,7 +96,8 @@ def build_embedded(cfg: DictConfig) -> None:
 
 def print_summary(s: JobSummary, console: Console | None = None) -> None:
     status = "complete" if s.complete else f"partial: {s.shards_complete}/{s.shards_planned} shards"
-    rows = [
+    rows = [("REHEARSAL", REHEARSAL_NOTE)] if s.rehearsal else []
+    rows += [
         ("dataset", status),
         ("shards", f"{s.shards_scored} scored now, {s.shards_done_before} already done, {s.shards_planned} planned"),
         ("actors", ", ".join(f"{a['hostname']} ({a['node_ip']})" for a in s.actors) or "none this run"),
@@ -126,12 +130,59 @@ def print_summary(s: JobSummary, console: Console | None = None) -> None:
     ], console)
 
 
+# Teacher tokens/s of one GPU when neither plan_tokens_per_s nor make gpu-bench gives one: a 7B
+# forward at 70% MFU on an H100 (989 dense bf16 TFLOPS; ~17 GFLOPs per token at windows of 4096).
+REFERENCE_TOKENS_PER_S = 39_000.0
+GPU_BENCH_RESULT = Path("bench-results/gpu-latest.json")
+
+
+def bill_rate(job: ScoreJobConfig) -> tuple[float, str]:
+    """The teacher tokens/s per GPU the bill uses, and where it comes from."""
+    if job.plan_tokens_per_s:
+        return job.plan_tokens_per_s, "plan_tokens_per_s"
+    if GPU_BENCH_RESULT.is_file():
+        result = json.loads(GPU_BENCH_RESULT.read_text())
+        value = next((f.get("value") for f in result.get("figures", []) if f.get("key") == "scorer_tokens_per_s"), None)
+        if value:
+            device = (result.get("machine") or {}).get("cuda") or "a GPU"
+            return float(value), f"measured by make gpu-bench on {device}, {GPU_BENCH_RESULT}"
+    return REFERENCE_TOKENS_PER_S, "a 7B forward at 70% MFU on an H100; plan_tokens_per_s=<yours> to change it"
+
+
+def print_plan(p: ScorePlan, job: ScoreJobConfig, rate_source: str, console: Console | None = None) -> None:
+    tokens = (f"{p.teacher_tokens:,} (counted)" if p.counted else
+              f"about {p.teacher_tokens:,} ± {p.tokens_error:.1%} (95%; {'; '.join(p.notes)})")
+    s = job.storage
+    rows = [("REHEARSAL", REHEARSAL_NOTE)] if job.scorer.backend == REHEARSAL_BACKEND else []
+    rows += [
+        ("corpus", f"{p.files:,} file(s), {p.documents:,} documents, {p.text_bytes / 2**30:,.2f} GiB of text"),
+        ("shards", f"{p.shards:,} of up to {job.corpus.rows_per_shard:,} documents; {p.shards_done:,} already done"),
+        ("teacher tokens", tokens),
+        ("on disk", f"about {p.bytes_on_disk / 2**30:,.2f} GiB: {p.bytes_per_token:.2f} bytes per teacher token "
+                    f"({s.encodings} encodings, {s.loss_precision} losses, {s.compression}), measured on "
+                    f"{p.sample_documents:,} documents; {2 * p.shards + 2:,} files"),
+        ("GPU-hours", f"{p.gpu_hours:,.1f} at {p.tokens_per_s:,.0f} teacher tokens/s per GPU ({rate_source}); "
+                      f"{p.gpu_hours / 8:,.1f} h on 8 GPUs"),
+    ]
+    show_summary("score-teacher: the bill before the run (nothing was scored)", rows, [
+        ("the output folder", str(job.output_dir)),
+        ("run it", "the same command without plan=true"),
+    ], console)
+
+
 @entry_point("score_teacher", config_defaults(), check=job_config)
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)
     build_embedded(cfg)
-    check_teacher_source(job.teacher)  # one clear line, before Ray, if the teacher cannot be had
+    if job.plan:  # the bill only: no Ray, no model (its tokenizer only)
+        rate, source = bill_rate(job)
+        print_plan(plan_score_job(job, tokens_per_s=rate), job, source)
+        return
+    if job.scorer.backend == REHEARSAL_BACKEND:  # no model: only its tokenizer is loaded
+        check_tokenizer_source("teacher.model", job.teacher.tokenizer or job.teacher.model, job.teacher.revision)
+    else:
+        check_teacher_source(job.teacher)  # one clear line, before Ray, if the teacher cannot be had
     summary = run_score_job(job)
     print_summary(summary)
     (Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir) / "summary.json").write_text(

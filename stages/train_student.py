@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
+from pipeline.train_student.plan import TrainPlan, plan_training
 from pipeline.train_student.run import (
     TrainJobConfig,
     TrainSummary,
@@ -114,11 +115,34 @@ def started(s: TrainSummary) -> str:
     return f"continued from {start.parent} ({start.name}/, the end of its stable phase)"
 
 
+def print_plan(p: TrainPlan, job: TrainJobConfig, console: Console | None = None) -> None:
+    tokens = (f"{p.student_tokens:,} (the length cache holds every shard)" if p.counted else
+              f"about {p.student_tokens:,} ± {p.student_tokens_error:.1%} (95%; {'; '.join(p.notes)})")
+    asked = f"{p.steps:,} asked for" if p.steps is not None else "one pass (train.max_steps and max_tokens unset)"
+    rows = [
+        ("scored data", f"{p.folders} folder(s), {p.shards:,} shards, {p.documents:,} documents, "
+                        f"{p.teacher_tokens:,} teacher tokens"),
+        ("student tokens", tokens),
+        ("samples", f"{p.samples:,} of {job.student.seq_len:,} tokens ({p.stream_tokens:,} stream tokens, "
+                    f"BOS/EOS and {job.data.epochs} pass(es) included)"),
+        ("steps", f"{p.steps_available:,} available of {p.samples_per_step:,} samples ({p.tokens_per_step:,} tokens) "
+                  f"each; {asked}"),
+    ]
+    if p.count_seconds is not None:
+        rows.append(("first token count", f"about {p.count_seconds / 60:,.1f} min with data.length_workers="
+                                          f"{job.data.length_workers} (this machine's speed on the sample)"))
+    show_summary("train-student: the bill before the run (nothing was trained)", rows, [
+        ("run it", "the same command without plan=true")], console)
+
+
 @entry_point("train_student", config_defaults(), check=job_config)
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg, check_files=True)
     build_embedded(cfg)
+    if cfg.get("plan"):  # the bill only: the manifests, a sample of documents, the student's tokenizer
+        print_plan(plan_training(job, world_size=int(os.environ.get("WORLD_SIZE", "1"))), job)
+        return
     summary = run_training(job)
     if _is_main_process():
         print_summary(summary)

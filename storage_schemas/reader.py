@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -34,6 +35,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from storage_schemas import filesystem as sfs
 from storage_schemas.identity import (
@@ -60,6 +62,7 @@ from storage_schemas.schema import (
 log = logging.getLogger(__name__)
 
 ON_BAD_SHARD = ("error", "skip")
+OPEN_THREADS = 16  # shards checked at once when a folder is opened (requests in flight on an object store)
 VERIFY = ("size", "sha256")
 # The parts of a dataset identity that must agree across folders mixed in one run.
 TEACHER_KEYS = ("teacher", "windows")
@@ -302,8 +305,10 @@ def open_scored_dataset(
     shards: list[ShardInfo] = []
     bad: list[dict] = []
     for index, (folder, entries) in enumerate(opened):
-        for entry in entries:
-            check = shard_problems(folder.path, entry, folder.manifest, checksum=verify == "sha256")
+        with ThreadPoolExecutor(max_workers=OPEN_THREADS) as pool:  # an object store answers each request late
+            checks = pool.map(lambda e: shard_problems(folder.path, e, folder.manifest, checksum=verify == "sha256"),
+                              entries)
+        for entry, check in zip(entries, checks):
             if check.problems:
                 reason = "; ".join(message for _, message in check.problems)
                 bad.append({"folder": index, "file": entry.get("file", "?"), "reason": reason})
@@ -382,11 +387,20 @@ def shard_problems(folder: Path | str, entry: dict | None, manifest: Mapping, *,
     name = entry["file"] if entry is not None else file
     path = sfs.child(folder, name)
     problems = shard_file_problems(path, entry, checksum=checksum, marker=marker) if entry is not None else []
-    if not sfs.is_file(path):
+    if (entry is not None and any("missing from the folder" in p for _, p in problems)) or (
+            entry is None and not sfs.is_file(path)):
         return ShardCheck(problems or [(name, "missing")])
     try:
-        meta = read_shard_metadata(path)
-        parquet_meta = sfs.parquet_file(path).metadata
+        fs, inside = sfs.resolve(path)  # the footer read once, through the cached file system
+        with fs.open_input_file(inside) as f:
+            try:
+                footer = pq.ParquetFile(f)
+            except Exception as exc:  # pyarrow raises several types for unreadable files
+                if sfs.unavailable(exc):
+                    raise  # the store did not answer: nothing is known of the file
+                raise ContractError(f"{path}: not a readable Parquet file ({exc})") from exc
+            meta = read_shard_metadata(path, footer.schema_arrow)
+            parquet_meta = footer.metadata
     except ContractError as exc:
         return ShardCheck(problems + [(name, str(exc).replace(f"{path}: ", ""))])
     except Exception as exc:  # pyarrow's errors on a footer that reads as a schema but not in full

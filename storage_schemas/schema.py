@@ -78,10 +78,11 @@ def schema_with_metadata(identity: Mapping[str, Any], shard: Mapping[str, Any], 
     return ROW_SCHEMA.with_metadata(meta)
 
 
-def read_shard_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The decoded key-value metadata of one shard; raises :class:`ContractError` if absent."""
+def read_shard_metadata(path: str | os.PathLike, schema: pa.Schema | None = None) -> dict[str, Any]:
+    """The decoded key-value metadata of one shard (from ``schema`` when its footer was read
+    already); raises :class:`ContractError` if absent."""
     try:
-        schema = filesystem.parquet_schema(path)
+        schema = schema if schema is not None else filesystem.parquet_schema(path)
     except Exception as exc:  # pyarrow raises several types for unreadable files
         if filesystem.unavailable(exc):
             raise  # the store did not answer: nothing is known of the file

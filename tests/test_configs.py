@@ -41,7 +41,7 @@ def test_score_teacher_configs_compose_and_validate(teacher, data, ray):
     job = job_config(cfg)
     assert job.teacher.name == teacher and job.corpus.name == cfg.data.name
     assert job.output_dir.endswith(f"{cfg.data.name}/{teacher}/v1")
-    assert job.scorer.backend in ("transformers", "vllm")
+    assert job.scorer.backend in ("transformers", "vllm", "rehearsal")
 
 
 def test_paper_teachers_are_the_papers_hub_models():
@@ -161,7 +161,7 @@ ENTRY_POINTS = {"score_teacher": "stages.score_teacher", "train_student": "stage
                 "export_student": "stages.export_student",
                 "convert_teacher": "stages.convert_teacher", "eval_student": "stages.eval_student",
                 "compare_evals": "stages.compare_evals", "bench": "benchmarks.__main__", "gpu_bench": "benchmarks.gpu",
-                "repro": "repro.__main__", "mutation": "mutation.__main__"}
+                "repro": "repro.__main__", "mutation": "mutation.__main__", "rehearse": "rehearsal.__main__"}
 
 
 @pytest.mark.parametrize("primary", sorted(p.stem for p in CONF.glob("*.yaml")))

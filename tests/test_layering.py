@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("score_teacher", "train_student", "inspection", "evaluation", "export_student")
-LAB = ("benchmarks", "repro", "mutation", "local_s3")
+LAB = ("benchmarks", "repro", "mutation", "local_s3", "rehearsal")
 
 
 def module_name(path: Path) -> str:

@@ -181,7 +181,7 @@ def test_bench_command_line_with_an_unknown_key_exits_2(tmp_path):
 def test_make_bench_quick_writes_json_and_markdown(tmp_path):
     """The whole quick bench, as ``make bench ARGS="quick=true"`` runs it (Ray, subprocesses)."""
     cmd = [sys.executable, "-m", "benchmarks", "quick=true", f"out_dir={tmp_path}", f"work_dir={tmp_path / 'work'}",
-           "fallback_docs=20", "scored_dataset=" + str(tmp_path / "none")]
+           "scored_docs=20"]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True, timeout=1800)
     report = json.loads((tmp_path / "latest.json").read_text())
     assert set(report["cases"]) == set(CASES)
@@ -212,3 +212,23 @@ def test_export_data_case_quick(micro_scored, tiny_student, tmp_path):
     result = run(cfg, tmp_path, tiny_student, load_tokenizer(str(tiny_student)), micro_scored)
     _check_figures(result, {"export_data_speedup", "export_data_first_run"})
     assert result["identical_batches"] and result["samples_per_pass"] > 32
+
+
+def test_the_cases_read_scored_data_the_bench_made_with_float32_losses(micro_teacher, ray_local, monkeypatch, tmp_path):
+    """The storage, student-data, teachers and export cases measure a scored dataset each bench run
+    makes in its work folder, with the teacher's float32 losses, never a folder found on disk (a
+    default stage-1 run's bfloat16 losses would make "plain float32" storage look 40% smaller).
+    The embedded tiny teacher is replaced by the micro one, a smaller real model built in seconds."""
+    import benchmarks.__main__ as bench
+    import pipeline.embedded
+
+    from benchmarks.config import BenchConfig
+    from storage_schemas import read_manifest
+
+    monkeypatch.setattr(pipeline.embedded, "ensure_tiny_teacher", lambda artifacts: micro_teacher)
+    cfg = BenchConfig(work_dir=str(tmp_path / "work"), scored_docs=30, scored_rows_per_shard=10, scored_stride=32)
+    folder = bench.Inputs(cfg).scored_dataset()
+    manifest = read_manifest(folder)
+    assert folder.is_relative_to(tmp_path / "work") and manifest["complete"]
+    assert manifest["identity"]["loss_precision"] == "float32" and len(manifest["shards"]) == 3
+    assert manifest["totals"]["documents"] >= 25  # 30 sample rows, a few of them null texts

@@ -27,6 +27,8 @@ from pipeline.export_student import rows as rows_module
 from pipeline.export_student.formats import LITDATA_INDEX, megatron_prefix
 from pipeline.dataset_card import STATS_TOKEN_BUDGET, data_files_configs, stats_sample
 from pipeline.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram
+from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.rehearsal import is_rehearsal
 from storage_schemas import CARD_NAME, MANIFEST_NAME
 from storage_schemas import filesystem as sfs
 
@@ -95,6 +97,9 @@ def _title(manifest: Mapping) -> str:
             "language modelling, for any trainer. Train with the guided loss (`pipeline.guided_loss.guided_loss`, "
             "recipes in vocagno's docs/export.md). Written by `make export-student`; `manifest.json` beside "
             "this card is the authoritative record (identity, shard files, checksums).")
+    teachers = (manifest.get("identity") or {}).get("teachers") or []
+    if any(is_rehearsal(t.get("teacher")) for t in teachers):
+        text += f"\n\n> **{REHEARSAL_NOTE}.**"
     if not manifest.get("complete"):
         text += (f"\n\n> **Partial export**: {totals.get('shards', 0):,} of {manifest.get('n_shards_planned', 0):,} "
                  "planned shards are written; rerunning the same command writes the rest and rewrites this card.")

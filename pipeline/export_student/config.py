@@ -56,6 +56,7 @@ class DataConfig:
     on_bad_shard: str = "error"  # error | skip
     verify: str = "size"  # size | sha256
     allow_partial: bool = False  # export the finished shards of an incomplete scoring
+    allow_rehearsal: bool = False  # export a rehearsal's scores (scorer.backend=rehearsal: no model's losses)
     cache_dir: str | None = None  # student token counts per (tokenizer, shard), shared with stage 2
     seed: int = 0
     shuffle: bool = True

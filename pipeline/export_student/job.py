@@ -36,10 +36,12 @@ from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import model_positions, refuse_seq_len
 from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version
+from pipeline.rehearsal import refuse_rehearsal, warn_rehearsal
 from pipeline.several_teachers import open_teachers, teacher_names
 from pipeline.shard_folder import (
     DatasetMismatchError,
     FolderKind,
+    ShardProgress,
     finished_shards,
     manifest_of,
     prepare_folder,
@@ -122,6 +124,7 @@ def check_output_dir(job: ExportJobConfig) -> None:
 def prepare_data(job: ExportJobConfig, tokenizer) -> StudentData:
     d = job.data
     scored = open_teachers(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
+    warn_rehearsal(refuse_rehearsal(scored, d.allow_rehearsal))
     packing = PackingConfig(seq_len=job.student.seq_len, seed=d.seed, shuffle=d.shuffle, epochs=d.epochs,
                             add_bos=d.add_bos, add_eos=d.add_eos)
     return build_student_data(scored, tokenizer, packing, job.alignment, cache_dir=d.cache_dir,
@@ -312,7 +315,7 @@ def _write_shards(job: ExportJobConfig, source: RowSource, pending: list[int], n
     rows = sum(len(shard_rows(i, job.export.rows_per_shard, n_rows)) for i in pending)
     bar = tqdm(total=rows, unit="row", desc="export", disable=not job.export.progress, dynamic_ncols=True)
     written: list[dict] = []
-    t0 = last = time.perf_counter()
+    progress = ShardProgress(lambda: write_manifest(job.output_dir, identity, done, n_shards, about), manifest_every_s)
     try:
         for index in pending:
             entry = write_export_shard(job, source, index, n_rows, schema)
@@ -321,11 +324,8 @@ def _write_shards(job: ExportJobConfig, source: RowSource, pending: list[int], n
             if on_first is not None and len(written) == 1:
                 on_first()
             bar.update(entry["rows"])
-            tokens = sum(e["tokens"] for e in written)
-            bar.set_postfix(shards=f"{len(done)}/{n_shards}", tok_s=f"{tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
-            if time.perf_counter() - last > manifest_every_s:
-                write_manifest(job.output_dir, identity, done, n_shards, about)
-                last = time.perf_counter()
+            bar.set_postfix(shards=f"{len(done)}/{n_shards}", tok_s=f"{progress.tokens_per_s():.0f}")
+            progress.scored(entry)
     finally:
         bar.close()
     return written

@@ -13,6 +13,8 @@ from pipeline.inspection.pieces import LossScale, cut_pieces
 from pipeline.inspection.summary import DatasetSummary
 from pipeline.inspection.validate import ValidationReport
 from pipeline.inspection.vocab_overlap import VocabOverlap
+from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.rehearsal import is_rehearsal
 from storage_schemas import describe_teacher
 from storage_schemas.reader import DocumentRecord
 
@@ -53,7 +55,9 @@ def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
 def summary_renderables(s: DatasetSummary) -> list:
     status = "complete" if s.complete else f"partial: {s.shards_listed} of {s.shards_planned} planned shards"
     q = s.quantiles
+    rehearsal = [("REHEARSAL", REHEARSAL_NOTE)] if is_rehearsal({"teacher": s.teacher}) else []
     overview = _key_value_table(escape(f"scored dataset {s.name}"), [
+        *rehearsal,
         ("folder", f"{s.folder} ({status})"),
         ("teacher", describe_teacher(s.teacher)),
         ("documents", f"{s.documents:,} stored ({s.empty_documents:,} with zero tokens)"),

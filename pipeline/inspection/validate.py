@@ -51,6 +51,7 @@ from storage_schemas import (
     table_problems,
 )
 from storage_schemas import filesystem as sfs
+from storage_schemas.layout import shard_file_problems
 from storage_schemas.reader import shard_problems
 from storage_schemas.rows import ERROR, WARNING, list_column_values
 
@@ -96,6 +97,22 @@ class ValidationReport:
         return {"folder": self.folder, "ok": self.ok, "shards_checked": self.shards_checked,
                 "rows_checked": self.rows_checked, "errors": len(self.errors), "warnings": len(self.warnings),
                 "problems": [asdict(p) for p in self.problems]}
+
+
+def validate_markers(folder: str | os.PathLike) -> ValidationReport:
+    """The folder-level part of :func:`validate_dataset` alone: the manifest, the files the folder
+    holds, and each listed shard's size and marker against its entry; no shard is opened. What a
+    folder of many shards costs to check, whatever their size."""
+    folder = sfs.location(folder)
+    problems: list[Problem] = []
+    manifest = _check_manifest(folder, problems)
+    entries = _listed_entries(folder, manifest, problems)
+    _check_folder_files(folder, entries, problems)
+    for name, entry in entries.items():
+        if entry is not None:
+            problems.extend(Problem(ERROR, file, message) for file, message in
+                            shard_file_problems(sfs.child(folder, name), entry, checksum=False, marker=True))
+    return ValidationReport(str(folder), problems, shards_checked=len(entries), rows_checked=0)
 
 
 def validate_dataset(
@@ -213,7 +230,7 @@ def _check_shard(
     ids_hashed, ids_rows = [], []
     try:
         shard = sfs.parquet_file(sfs.child(folder, name))
-        for table in shard.iter_batches(batch_size=BATCH_ROWS):
+        for table in shard.iter_batches(batch_size=BATCH_ROWS, use_threads=False):  # no thread pool per shard
             problems.extend(Problem(p.severity, name, p.message, row=p.row, doc_id=p.doc_id)
                             for p in table_problems(table, rules, first_row=rows))
             doc_ids = table.column("doc_id").to_pylist()

@@ -40,14 +40,17 @@ from pipeline.config import (
     raise_if,
 )
 from pipeline.cpu_threads import threads_for
-from pipeline.dataset_card import write_card_or_warn
+from pipeline.dataset_card import card_is_current, write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
 from pipeline.model_source import looks_local
 from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version, is_local_model, model_identity
 from pipeline.quiet import quiet_third_party
+from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.rehearsal import REHEARSAL_BACKEND, is_rehearsal
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
+from pipeline.score_teacher.backends.rehearsal import rehearsal_identity
 from pipeline.score_teacher.backends.server import ApiKey, ServedTeacher, api_key, check_server, share_in_flight
 from pipeline.score_teacher.backends.vllm import check_installed, engine_args, engine_window
 from pipeline.score_teacher.corpus import (
@@ -86,6 +89,7 @@ from pipeline.score_teacher.writer import (
     write_manifest,
     write_shard,
 )
+from pipeline.shard_folder import ShardProgress
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT, MANIFEST_NAME, SKIP_REASONS
 from storage_schemas import filesystem as sfs
@@ -131,6 +135,17 @@ class ScoreJobConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     progress: bool = True
     manifest_every_s: float = 10.0
+    plan: bool = False  # print the bill (shards, tokens, bytes, GPU-hours) and stop: no Ray, no model
+    plan_tokens_per_s: float | None = None  # teacher tokens/s of one GPU for the bill's GPU-hours
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        if self.plan_tokens_per_s is not None and not self.plan_tokens_per_s > 0:
+            found.append(f"plan_tokens_per_s: {self.plan_tokens_per_s} must be > 0")
+        if self.scorer.backend == REHEARSAL_BACKEND and self.teacher.window is None:
+            found.append("teacher.window: required with scorer.backend=rehearsal (no model states its context), "
+                         "e.g. teacher.window=4096")
+        return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +253,7 @@ class JobSummary:
     failed: list[dict] = field(default_factory=list)  # shards given up in this run (pool.on_bad_shard=skip)
     actors: list[dict] = field(default_factory=list)  # where the scorer actors ran (ShardScorer.describe)
     store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries, all processes
+    rehearsal: bool = False  # scored by the rehearsal teacher (pipeline.rehearsal): no model's losses
 
     @property
     def tokens_per_s(self) -> float:
@@ -267,7 +283,8 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         revision=cfg.teacher.revision,
         trust_remote_code=cfg.teacher.trust_remote_code,
     )
-    window = plan_window(cfg.teacher, cfg.scorer.backend, _context_length(cfg.teacher))
+    rehearsal = cfg.scorer.backend == REHEARSAL_BACKEND  # no model: its tokenizer and a hash (pipeline.rehearsal)
+    window = plan_window(cfg.teacher, cfg.scorer.backend, None if rehearsal else _context_length(cfg.teacher))
     served = _check_served(cfg, tokenizer) if cfg.scorer.backend == "server" else None
     if served is not None:
         window = served.fit_window(window, chosen=cfg.teacher.window is not None)
@@ -288,7 +305,8 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         "format": IDENTITY_FORMAT,
         "teacher": {
             "name": cfg.teacher.name,
-            **model_identity(cfg.teacher.model, cfg.teacher.revision),  # source, model, revision, digests
+            **(rehearsal_identity(scorer) if rehearsal  # source, model, revision, digests
+               else model_identity(cfg.teacher.model, cfg.teacher.revision)),
             "tokenizer_sha256": fingerprint(tokenizer),
             "vocab_size": len(tokenizer),
             "bos_id": settings.bos_id,
@@ -514,7 +532,8 @@ def _remove_empty_folders(folder: str, created: Path | None) -> None:
 def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     version = code_version()
     done, extra, aside = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location,
-                                        license=cfg.corpus.license)
+                                        license=cfg.corpus.license,
+                                        rehearsal=REHEARSAL_NOTE if is_rehearsal(prepared.identity) else None)
     pending = [s for s in prepared.shards if s.index not in done]
     if cfg.limit_shards is not None:
         pending = pending[: cfg.limit_shards]
@@ -538,7 +557,8 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
         aside.commit()
     manifest = write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version,
                               failed=run.failed, **extra)
-    write_card_or_warn(cfg.output_dir, manifest)  # README.md for people and the hub; never fails the run
+    if run.scored or not card_is_current(cfg.output_dir, manifest):  # README.md for people and the hub
+        write_card_or_warn(cfg.output_dir, manifest)  # never fails the run
     totals = manifest["totals"]
     return JobSummary(
         output_dir=str(cfg.output_dir),
@@ -556,6 +576,7 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
         failed=run.failed,
         actors=run.actors,
         store_calls=functools.reduce(store_calls.add, (e.get("store_calls", {}) for e in run.scored), {}),
+        rehearsal=is_rehearsal(prepared.identity),
     )
 
 
@@ -608,29 +629,31 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
         )
         bar = tqdm(total=len(pending), unit="shard", desc=f"starting {n_actors} actor{'s' * (n_actors > 1)}",
                    disable=not cfg.progress, dynamic_ncols=True)
-        t_start = time.perf_counter()
-        last_manifest = [time.monotonic()]
+        failed: list[dict] = []
+        progress = ShardProgress(lambda: write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards),
+                                                        version, failed=failed, **extra), cfg.manifest_every_s)
 
-        def progress(run: PoolRun) -> None:
-            tokens = sum(e["tokens"] for e in run.scored)
+        def shown(run: PoolRun) -> None:
+            failed[:] = run.failed
             bar.update(1)
-            bar.set_postfix(docs=sum(e["rows"] for e in run.scored), tokens=tokens, failed=len(run.failed),
-                            tok_s=f"{tokens / max(time.perf_counter() - t_start, 1e-9):.0f}")
-            if time.monotonic() - last_manifest[0] > cfg.manifest_every_s:
-                write_manifest(cfg.output_dir, prepared.identity, done, len(prepared.shards), version,
-                               failed=run.failed, **extra)
-                last_manifest[0] = time.monotonic()
+            bar.set_postfix(docs=progress.rows, tokens=progress.tokens, failed=len(run.failed),
+                            tok_s=f"{progress.tokens_per_s():.0f}")
 
         def scored(entry: dict, run: PoolRun) -> None:
             done[entry["index"]] = {k: v for k, v in entry.items() if k != "store_calls"}  # the run's, not the shard's
             if on_first is not None and len(run.scored) == 1:
                 on_first()  # the first shard is finished: what overwrite set aside can go
-            progress(run)
+            shown(run)
+            progress.scored(entry)
 
+        def given_up(failure: dict, run: PoolRun) -> None:
+            shown(run)
+            progress.due()
+
+        for_actors = replace(prepared, shards=[])  # each actor gets its shards one at a time, not the whole plan
         try:
-            return run_shards(lambda: actor_cls.remote(prepared, cfg.teacher, cfg, version, key), pending, cfg.pool,
-                              on_scored=scored, on_failed=lambda failure, run: progress(run),
-                              on_status=bar.set_description_str)
+            return run_shards(lambda: actor_cls.remote(for_actors, cfg.teacher, cfg, version, key), pending, cfg.pool,
+                              on_scored=scored, on_failed=given_up, on_status=bar.set_description_str)
         finally:
             bar.close()
     finally:

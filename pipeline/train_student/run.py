@@ -48,6 +48,7 @@ from pipeline.folder_lock import exclusive_writer
 from pipeline.guided_loss import SelectionConfig
 from pipeline.model_source import local_model_problem, model_positions, refuse_seq_len
 from pipeline.provenance import model_identity
+from pipeline.rehearsal import refuse_rehearsal, warn_rehearsal
 from pipeline.several_teachers import MISSING_RULES, open_teachers
 from pipeline.student_side import (
     AlignmentConfig,
@@ -133,6 +134,7 @@ class DataConfig:
     on_bad_shard: str = "error"  # error | skip
     verify: str = "size"  # size | sha256 (full read of every shard on open)
     allow_partial: bool = False  # train on the finished shards of an incomplete scoring
+    allow_rehearsal: bool = False  # train on a rehearsal's scores (scorer.backend=rehearsal: no model's losses)
     cache_dir: str | None = None  # student token counts per shard (None: no cache)
     seed: int = 0
     shuffle: bool = True
@@ -276,6 +278,7 @@ class TrainJobConfig:
         """What a resumed run must share with the interrupted one (``run.json``)."""
         data = {k: v for k, v in asdict(self.data).items()
                 if k not in ("folders", "num_workers", "prefetch_factor", "length_workers", "cache_dir",
+                             "allow_rehearsal",  # what it accepts, not what it computes
                              "missing_documents",  # several teachers: in the data identity
                              "held_out_shards",  # in the data identity (shards_held_out)
                              "token_ratio_bound",
@@ -332,7 +335,7 @@ def run_folder_problem(job: TrainJobConfig) -> str | None:
 LOSS_ALIGNMENT_KEYS = {"alignment": "method"}
 STUDENT_RECIPE_KEYS = ("embedded", "build")  # the embedded student's build, for the front end
 DATA_NAMING_KEYS = ("corpus", "teacher")  # name the default folders and the run
-FRONT_END_KEYS = ("artifacts_dir", "scored_root", "student_root", "run_name", "hydra")
+FRONT_END_KEYS = ("artifacts_dir", "scored_root", "student_root", "run_name", "hydra", "plan")
 
 
 def config_defaults() -> dict:
@@ -595,6 +598,7 @@ def prepare_data(job: TrainJobConfig, tokenizer, check=None) -> StudentData | Mi
     if d.export:  # the rows are read as they were exported: nothing is counted, tokenized or aligned
         return open_export_data(d.export, tokenizer, job.student.seq_len, d, job.alignment)
     scored = open_teachers(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
+    warn_rehearsal(refuse_rehearsal(scored, d.allow_rehearsal))
     scored = hold_out(scored, d.held_out_shards)
     if check is not None:
         check(scored)

@@ -15,14 +15,14 @@ import numpy as np
 
 from pipeline.config import check_at_least, check_choice
 
-BACKENDS = ("transformers", "vllm", "server")
+BACKENDS = ("transformers", "vllm", "server", "rehearsal")
 
 
 @dataclass(frozen=True)
 class ScorerConfig:
     """How the teacher is run (docs/METHOD.md §1.2); model, revision and window come from the teacher."""
 
-    backend: str = "transformers"  # transformers | vllm | server
+    backend: str = "transformers"  # transformers | vllm | server | rehearsal (a stand-in: pipeline.rehearsal)
     model: str = ""  # hub id or local folder
     revision: str | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16
@@ -40,7 +40,7 @@ class ScorerConfig:
     max_num_batched_tokens: int | None = None  # tokens per engine step; None: vLLM's default for the GPU
     max_num_seqs: int = 256  # requests per engine step; max_num_batched_tokens must be >= this
     tensor_parallel_size: int = 1
-    seed: int = 0
+    seed: int = 0  # vllm's sampling seed; rehearsal: the seed of its hash
     # server backend: a teacher already served (docs/served-teacher.md); the API key is read from the
     # environment variable api_key_env in the driver and never written anywhere
     url: str | None = None  # http(s)://host:port of an OpenAI-compatible server (vLLM's)

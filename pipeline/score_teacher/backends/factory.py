@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pipeline.score_teacher.backends.base import ScorerConfig, WindowScorer
 from pipeline.score_teacher.backends.hf import TransformersScorer
+from pipeline.score_teacher.backends.rehearsal import RehearsalScorer
 from pipeline.score_teacher.backends.server import ApiKey, ServerScorer
 from pipeline.score_teacher.backends.vllm import VLLMScorer
 
@@ -16,4 +17,6 @@ def make_scorer(cfg: ScorerConfig, api_key: ApiKey | None = None) -> WindowScore
         return VLLMScorer(cfg)
     if cfg.backend == "server":
         return ServerScorer(cfg, api_key)
-    raise ValueError(f"unknown scoring backend {cfg.backend!r}; choose 'transformers', 'vllm' or 'server'")
+    if cfg.backend == "rehearsal":
+        return RehearsalScorer(cfg)
+    raise ValueError(f"unknown scoring backend {cfg.backend!r}; choose 'transformers', 'vllm', 'server' or 'rehearsal'")

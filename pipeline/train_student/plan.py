@@ -1,0 +1,144 @@
+"""The bill before a training run (``make train-student ARGS="... plan=true"``): documents, student
+tokens, packed samples and optimizer steps, from the configuration and the scored folders' manifests,
+without loading the student model or counting every token.
+
+* **Student tokens**: exact where the length cache (``data.cache_dir``) holds every shard's counts
+  for this student tokenizer (what the count pass of a run writes); else estimated from a sample of
+  documents spread evenly over the shards: their student tokens per teacher token (the teacher's
+  count of every document is in the shards) times the teacher tokens every manifest records, with
+  the ratio estimator's 95% error over the sampled documents.
+* **Samples and steps**: as the run computes them (:mod:`pipeline.student_side`): each document adds
+  BOS (when the student's tokenizer adds one) and EOS, ``data.epochs`` passes are concatenated, a
+  sample is ``seq_len`` tokens, a step ``micro_batch_size x processes x accumulation`` samples.
+* **The first count's time**: the sample's student tokens per CPU-second of counting, spread over
+  ``data.length_workers`` processes.
+
+Reads the configuration and the folders only (one teacher's, several teachers': the first group).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pipeline.several_teachers import group_folders
+from pipeline.student_side import count_tokens
+from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
+from pipeline.train_student.run import TrainJobConfig, batch_geometry
+from storage_schemas import filesystem as sfs
+from storage_schemas.reader import ScoredDataset, read_row_group
+
+SAMPLE_DOCUMENTS = 2000
+
+
+@dataclass
+class TrainPlan:
+    """What :func:`plan_training` found; ``student_tokens_error`` is a share (0 when counted)."""
+
+    folders: int
+    shards: int
+    documents: int
+    teacher_tokens: int
+    student_tokens: int
+    counted: bool
+    student_tokens_error: float
+    sample_documents: int
+    stream_tokens: int  # BOS/EOS and epochs included
+    samples: int
+    samples_per_step: int
+    tokens_per_step: int
+    steps_available: int
+    steps: int | None  # what the run asks for (None: one pass)
+    count_seconds: float | None  # estimated wall time of the first count with data.length_workers
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _cached_counts(cache_dir: str | None, tokenizer_sha: str, shards: list) -> list[np.ndarray] | None:
+    """Every shard's counts from the length cache, or None when any is missing."""
+    if not cache_dir:
+        return None
+    folder = Path(cache_dir) / tokenizer_sha[:16]
+    out = []
+    for s in shards:
+        path = folder / f"{s.sha256}.npy"
+        if not s.sha256 or not path.is_file():
+            return None
+        out.append(np.load(path))
+    return out
+
+
+def _sample(shards: list, budget: int) -> tuple[list[str], np.ndarray]:
+    """About ``budget`` documents from shards spread evenly: their texts and teacher token counts."""
+    picks = np.unique(np.round(np.linspace(0, len(shards) - 1, min(len(shards), max(1, budget // 250)))).astype(int))
+    per_shard = max(1, budget // len(picks))
+    texts: list[str] = []
+    teacher: list[int] = []
+    for i in picks.tolist():
+        shard = shards[i]
+        table = read_row_group(_row_groups(shard), 0, ["text", "token_ids"])
+        rows = min(per_shard, table.num_rows)
+        texts += table.column("text").slice(0, rows).to_pylist()
+        teacher += [len(x) for x in table.column("token_ids").slice(0, rows).to_pylist()]
+    return texts, np.asarray(teacher, dtype=np.float64)
+
+
+def _row_groups(shard):
+    """The shard with its row groups read from its footer (manifest-opened shards lack them)."""
+    meta = pq.ParquetFile(str(shard.path)).metadata
+    return replace(shard, row_group_rows=tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
+
+
+def plan_training(job: TrainJobConfig, world_size: int = 1, sample_documents: int = SAMPLE_DOCUMENTS) -> TrainPlan:
+    """The bill of the training run ``job`` (module docstring)."""
+    t0 = time.perf_counter()
+    d, t = job.data, job.train
+    groups = group_folders(d.folders)
+    opened = [ScoredDataset.open(f) for f in groups[0]]
+    shards = [s for o in opened for s in o.shards]
+    entries = {sfs.name(s.path): e for o in opened for e, s in zip(o.entries, o.shards)}
+    documents = sum(int(e.get("rows", 0)) for e in entries.values())
+    teacher_tokens = sum(int(e.get("tokens", 0)) for e in entries.values())
+    tokenizer = load_tokenizer(job.student.tokenizer or job.student.model, revision=job.student.revision,
+                               trust_remote_code=job.student.trust_remote_code)
+    notes = []
+    if len(groups) > 1:
+        notes.append(f"{len(groups)} teachers: the first teacher's documents (the others match them)")
+    cached = _cached_counts(d.cache_dir, fingerprint(tokenizer), shards)
+    texts, teacher_counts = _sample(shards, sample_documents)
+    c0 = time.process_time()
+    student_counts = np.asarray(count_tokens(tokenizer, texts), dtype=np.float64)
+    count_rate = student_counts.sum() / max(time.process_time() - c0, 1e-9)
+    if cached is not None:
+        student_tokens, error, counted = int(sum(int(c.sum()) for c in cached)), 0.0, True
+        nonempty = int(sum(int((c > 0).sum()) for c in cached))
+    else:
+        ratio = student_counts.sum() / max(teacher_counts.sum(), 1.0)
+        student_tokens, counted = int(round(ratio * teacher_tokens)), False
+        residuals = student_counts - ratio * teacher_counts
+        n = student_counts.size
+        error = 1.96 * math.sqrt(residuals.var(ddof=1) / n) / max(teacher_counts.mean() * ratio, 1e-9) if n > 1 else 0.0
+        nonempty = documents
+        notes.append(f"student tokens estimated from {n:,} documents of {len(shards):,} shard(s)")
+    add_bos = d.add_bos if d.add_bos is not None else bos_token_id(tokenizer) is not None
+    stream = (student_tokens + nonempty * (int(add_bos) + int(d.add_eos))) * d.epochs
+    samples = max(0, (stream - 1) // job.student.seq_len)
+    accumulation, tokens_per_step = batch_geometry(job, world_size)
+    per_step = t.micro_batch_size * world_size * accumulation
+    available = samples // per_step
+    steps = t.max_steps if t.max_steps is not None else (
+        math.ceil(t.max_tokens / tokens_per_step) if t.max_tokens is not None else None)
+    count_seconds = None if counted else student_tokens / count_rate / max(1, d.length_workers)
+    return TrainPlan(folders=len(d.folders), shards=len(shards), documents=documents, teacher_tokens=teacher_tokens,
+                     student_tokens=student_tokens, counted=counted, student_tokens_error=error,
+                     sample_documents=int(student_counts.size), stream_tokens=stream, samples=samples,
+                     samples_per_step=per_step, tokens_per_step=tokens_per_step, steps_available=available,
+                     steps=steps, count_seconds=count_seconds, seconds=time.perf_counter() - t0, notes=notes)
