@@ -2,7 +2,8 @@
 node of the allocation has joined the job's Ray cluster (docs/running-at-scale.md#on-slurm).
 
     python deploy/slurm/ray_nodes.py ports 4
-    python deploy/slurm/ray_nodes.py wait --address 10.0.0.1:41234 --nodes "gpu01 gpu02" --timeout 300
+    python deploy/slurm/ray_nodes.py wait --address 10.0.0.1:41234 --nodes "gpu01 gpu02" --timeout 300 \
+        --log "outputs/slurm/score-teacher-1234/ray-{node}.0.log"
 
 ``wait`` knows a Ray node's Slurm node by the ``slurm-node`` label the launcher gives each
 ``ray start``, not by its address (two Slurm nodes can share one host). On success it prints one
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     wait.add_argument("--address", required=True, help="the head's GCS address, host:port")
     wait.add_argument("--nodes", required=True, help="the allocation's node names, separated by spaces")
     wait.add_argument("--timeout", type=float, required=True, help="seconds")
+    wait.add_argument("--log", default="", help="where a node's Ray log is, {node} standing for its name")
     args = parser.parse_args(argv)
 
     if args.command == "ports":
@@ -80,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
 
         have = joined(ray.nodes()) if ray.is_initialized() else {}
         missing = [n for n in expected if n not in have]
+        logs = f"their Ray logs ({', '.join(args.log.format(node=n) for n in missing)}) say why" if args.log else \
+            "their Ray logs say why"
         print(f"error: {len(missing)} of {len(expected)} nodes did not join the Ray cluster at {args.address} "
               f"within {args.timeout:g} s: {', '.join(missing)} (joined: {', '.join(sorted(have)) or 'none'}); "
-              "see their Ray logs in the job's folder, and check that they reach the head and see the "
-              "environment (VENV) at the same path", file=sys.stderr)
+              f"{logs}: most often the environment (VENV) is not at the same path there, or the node cannot "
+              "reach the head's port", file=sys.stderr)
         return 2
     for name in expected:
         node = found[name]
