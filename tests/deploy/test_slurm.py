@@ -201,6 +201,7 @@ def test_scancel_then_preemption_and_requeue_score_each_shard_once(slurm, work, 
     slurm.run("scancel", str(first))
     job = slurm.wait_until_done(first)
     assert job["JobState"] == "CANCELLED", job
+    assert "interrupted (SIGTERM): stopped" in job_log(work, "score-teacher", first)
     assert_nothing_left(slurm, first)
     assert markers(out) == before and 3 not in before
     manifest = read_manifest(out)
