@@ -59,8 +59,7 @@ def slurm(request):
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    w = tmp_path_factory.mktemp("slurm-work")
-    return w
+    return tmp_path_factory.mktemp("slurm-work")
 
 
 def launcher_env(slurm, work: Path, **settings: str) -> dict[str, str]:
@@ -68,7 +67,7 @@ def launcher_env(slurm, work: Path, **settings: str) -> dict[str, str]:
     ray_tmp = slurm.folder / "r"
     ray_tmp.mkdir(exist_ok=True)
     return {"PROJECT_DIR": str(REPO), "VENV": str(Path(sys.executable).parents[1]), "LOG_DIR": str(work / "logs"),
-            "RAY_TMP": str(ray_tmp), "HF_HUB_OFFLINE": "1", **settings}
+            "RAY_TMP": str(ray_tmp), "HF_HUB_OFFLINE": "1", "WAIT_FOR_NODES_S": "120", **settings}
 
 
 def submit_stage1(slurm, work: Path, output_root: Path, *, options: tuple[str, ...] = (), **env: str) -> int:
