@@ -138,7 +138,13 @@ class SlurmCluster:
         flag.touch() if broken else flag.unlink(missing_ok=True)
 
     def stop(self) -> None:
-        """Stop the daemons this cluster started, by the process ids in their pid files."""
+        """Cancel this cluster's jobs (a job outlives a stopped slurmd), then stop the daemons it
+        started, by the process ids in their pid files."""
+        if (self.folder / "slurmctld.pid").exists():
+            self.run("scancel", f"--user={os.getuid()}", check=False)
+            deadline = time.monotonic() + 60
+            while self.run("squeue", "--noheader", check=False).strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
         pid_files = [self.folder / f"slurmd-{n}.pid" for n in NODES]
         pid_files += [self.folder / "slurmctld.pid", self.folder / "munge" / "munged.pid"]
         for pid_file in pid_files:

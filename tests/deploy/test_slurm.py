@@ -96,14 +96,16 @@ def ray_nodes(log: str) -> list[dict[str, str]]:
     return attempts
 
 
-def job_processes(job_id: int) -> list[str]:
-    """Every process still running with this job's environment (Slurm sets SLURM_JOB_ID in every
-    process of a job, and children inherit it: Ray's daemons and workers, torchrun and its workers)."""
-    tag = f"SLURM_JOB_ID={job_id}\0".encode()
+def job_processes(slurm, job_id: int) -> list[str]:
+    """Every process still running with this job's environment: Slurm sets SLURM_JOB_ID in every
+    process of a job, and children inherit it (Ray's daemons and workers, torchrun and its workers);
+    SLURM_CONF tells this test cluster's jobs from another's."""
+    tags = (f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_CONF={slurm.folder / 'slurm.conf'}".encode())
     found = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if tag in environ.read_bytes() or environ.read_bytes().startswith(tag[:-1] + b"\0"):
+            variables = environ.read_bytes().split(b"\0")
+            if all(tag in variables for tag in tags):
                 found.append(f"{environ.parent.name}: " + (environ.parent / "cmdline").read_bytes()
                              .replace(b"\0", b" ").decode(errors="replace")[:200])
         except OSError:
@@ -114,7 +116,7 @@ def job_processes(job_id: int) -> list[str]:
 def assert_nothing_left(slurm, job_id: int) -> None:
     """After the job: none of its processes, and no Ray folder of it under RAY_TMP."""
     deadline = time.monotonic() + 30
-    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+    while (left := job_processes(slurm, job_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"processes of job {job_id} left: {left}"
     folders = sorted((slurm.folder / "r").glob(f"ray-{job_id}.*"))
@@ -215,10 +217,11 @@ def test_scancel_then_preemption_and_requeue_score_each_shard_once(slurm, work, 
     wait_until(lambda: tries() > tried_in_a, "shard 3 hanging again", slurm, second)
     slurm.run("scontrol", "requeuehold", str(second))
     wait_until(lambda: slurm.job(second)["Restarts"] == "1" and slurm.job(second)["JobState"] == "PENDING"
-               and not job_processes(second), "the first attempt gone", slurm, second)
+               and not job_processes(slurm, second), "the first attempt gone", slurm, second)
     assert_nothing_left(slurm, second)
     release.touch()
     slurm.run("scontrol", "release", str(second))
+    slurm.run("scontrol", "update", f"JobId={second}", "StartTime=now")  # not Slurm's 2 min wait after a requeue
     job = slurm.wait_until_done(second, timeout=1200)
     assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), \
         job_log(work, "score-teacher", second)
