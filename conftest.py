@@ -80,6 +80,13 @@ def build_micro_teacher(corpus_files, out_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def micro_teacher_builder():
+    """``build_micro_teacher`` for a test that builds the micro teacher again (a test module cannot
+    import it from ``conftest``: another folder's conftest.py may hold that name)."""
+    return build_micro_teacher
+
+
+@pytest.fixture(scope="session")
 def micro_teacher(tmp_path_factory, micro_corpus) -> Path:
     """A tiny Qwen2 teacher (context 64, so real documents are scored in many windows)."""
     return build_micro_teacher(micro_corpus, tmp_path_factory.mktemp("teacher") / "micro")

@@ -551,15 +551,18 @@ def write_card_or_warn(folder: str | os.PathLike, manifest: Mapping | None = Non
 
 
 def card_is_current(folder: str | os.PathLike, manifest: Mapping) -> bool:
-    """Whether the folder's card already describes these shards: it holds the counts this
-    manifest gives (shards, documents, tokens and bytes to the byte). A rerun that scored nothing
-    then keeps it instead of reading up to :data:`STATS_TOKEN_BUDGET` losses again."""
+    """Whether the folder's card already describes these shards and terms: it holds the counts this
+    manifest gives (shards, documents, tokens and bytes to the byte) and the front matter it gives
+    (the shard files, the license: a rerun with ``data.license`` changes it). A rerun that scored
+    nothing then keeps it instead of reading up to :data:`STATS_TOKEN_BUDGET` losses again."""
     location = filesystem.join(os.fspath(folder), CARD_NAME)
     try:
         text = filesystem.read_bytes(location).decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return False
-    return bool(manifest.get("complete")) and _counts(manifest) in text
+    if not manifest.get("complete") or _counts(manifest) not in text:
+        return False
+    return text.startswith(f"---\n{DatasetCardData(**front_matter(manifest)).to_yaml()}\n---\n")
 
 
 def _remove_stale(location: str) -> None:

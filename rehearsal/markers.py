@@ -75,7 +75,7 @@ def op_resume(folder: Path, n: int) -> dict:
     """What a rerun does before Ray starts: check the folder, read every marker, write the manifest."""
     from pipeline.score_teacher.writer import prepare_output
 
-    done, _ = prepare_output(folder, identity(n), overwrite=False, location={"corpus_files": []})
+    done, _, _ = prepare_output(folder, identity(n), overwrite=False, location={"corpus_files": []})
     pending = [i for i in range(n) if i not in done]
     return {"done": len(done), "pending": len(pending)}
 

@@ -115,7 +115,10 @@ def test_a_real_stage2_run_prints_only_the_projects_lines(own_corpus, tiny_stude
     assert res.returncode == 0, res.stderr[-3000:]
     assert not [n for n in NOISE if n in res.stderr], res.stderr[-3000:]
     assert res.stderr == "", "with train.progress=false a successful run writes nothing to stderr"
-    assert sorted(p.name for p in (project / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    # every 2 steps, and step 3: the last stable step of the embedded recipe's wsd schedule (stable/)
+    assert sorted(p.name for p in (project / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3",
+                                                                              "checkpoint-4"]
+    assert (project / "run" / "stable").is_dir()
 
 
 ACTOR_SPEAKS = """

@@ -6,18 +6,18 @@ from types import SimpleNamespace
 
 import torch
 
-from conftest import build_micro_teacher
 from pipeline.cpu_threads import torch_threads
 from pipeline.embedded.tiny_teacher import ProgressLog
 from storage_schemas import file_sha256
 
 
-def test_tiny_teacher_build_is_deterministic_and_cached(micro_corpus, micro_teacher, tmp_path, caplog, capfd):
+def test_tiny_teacher_build_is_deterministic_and_cached(micro_corpus, micro_teacher, micro_teacher_builder, tmp_path,
+                                                       caplog, capfd):
     """Built again with another thread count set by the caller (the machine's cores, torch's default
     for the first build): the same files, as the build trains in one thread whatever the caller set."""
     other = 1 if torch.get_num_threads() > 1 else 2
     with caplog.at_level("INFO", logger="pipeline.embedded.tiny_teacher"), torch_threads(other):
-        again = build_micro_teacher(micro_corpus, tmp_path / "again")
+        again = micro_teacher_builder(micro_corpus, tmp_path / "again")
     said = caplog.text
     assert "building the tiny teacher (once: later runs reuse it)" in said
     assert "in one torch thread (load average" in said
@@ -26,7 +26,7 @@ def test_tiny_teacher_build_is_deterministic_and_cached(micro_corpus, micro_teac
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert file_sha256(again / name) == file_sha256(micro_teacher / name), f"{name} differs between builds"
     mtime = (again / "model.safetensors").stat().st_mtime_ns
-    assert build_micro_teacher(micro_corpus, again) == again
+    assert micro_teacher_builder(micro_corpus, again) == again
     assert (again / "model.safetensors").stat().st_mtime_ns == mtime, "a cached build is not retrained"
 
 

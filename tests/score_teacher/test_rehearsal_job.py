@@ -161,9 +161,11 @@ def test_the_rehearsal_preset_asks_no_model_and_needs_a_window(qwen_folder, micr
             return compose(config_name=name, overrides=overrides)
 
     cfg = _compose("score_teacher", ["teacher=rehearsal-qwen2.5", f"teacher.model={qwen_folder}", "data.source=files",
-                          f"data.files=[{micro_corpus[0]}]", f"output_root={tmp_path}"])
+                          "data.name=mine", "data.embedded=false", f"data.files=[{micro_corpus[0]}]",
+                          f"output_root={tmp_path}"])
     job = job_config(cfg)
     assert (job.scorer.backend, job.teacher.window, job.pool.num_gpus) == ("rehearsal", 4096, 0.0)
     with pytest.raises(ConfigError, match="teacher.window: required with scorer.backend=rehearsal"):
         job_config(_compose("score_teacher", ["teacher=rehearsal-qwen2.5", f"teacher.model={qwen_folder}", "teacher.window=null",
-                                   "data.source=files", f"data.files=[{micro_corpus[0]}]"]))
+                                   "data.source=files", "data.name=mine", "data.embedded=false",
+                                   f"data.files=[{micro_corpus[0]}]"]))
