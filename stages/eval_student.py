@@ -148,8 +148,10 @@ def print_result(record: dict, out_dir: str) -> None:
     s = record["settings"]
     console.print(f"checkpoint {record['checkpoint']} ({identity_summary(record['identity'])}); {s['backend']} on "
                   f"{s['device']}, {s['dtype']}; {record['truncated_prompts']} prompt(s) cut to fit the context; "
-                  f"{record['seconds']:.1f}s", markup=False, highlight=False)
-    console.print(f"Wrote {Path(out_dir) / 'eval.json'}, eval.md, samples.jsonl", markup=False, highlight=False)
+                  f"{record['seconds']:.1f}s", markup=False, highlight=False, soft_wrap=True)
+    # paths whole on their line (copyable), whatever the terminal's width
+    console.print(f"Wrote {Path(out_dir) / 'eval.json'}, eval.md, samples.jsonl", markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 @entry_point("eval_student", defaults(EvalSettings), check=job_config)

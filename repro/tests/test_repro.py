@@ -336,6 +336,7 @@ def _conf_arms() -> list[str]:
     return list(OmegaConf.load(ROOT / "conf" / "repro.yaml").arms)
 
 
+@pytest.mark.slow
 def test_make_repro_end_to_end_small(tmp_path):
     args = _small_args(tmp_path)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}

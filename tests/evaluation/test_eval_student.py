@@ -223,7 +223,7 @@ def test_stage_end_to_end_on_the_tiny_student(tiny_student, task_dir, tmp_path):
         assert r["accuracy"] == r["correct"] / r["n"]
     assert judged >= 6, samples
     assert record["identity"]["kind"] == "local" and record["label"] == "sp"
-    assert "gsm8k" in result.stdout and "eval.json" in result.stdout
+    assert "gsm8k" in result.stdout and f"Wrote {out / 'eval.json'}, eval.md" in result.stdout  # never wrapped
 
 
 @pytest.mark.parametrize("line, message", [

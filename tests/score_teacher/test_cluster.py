@@ -104,6 +104,7 @@ def test_actor_count_is_summed_node_by_node_over_gpus_cpus_and_resources():
 # A real cluster
 
 
+@pytest.mark.slow
 def test_three_node_cluster_puts_an_actor_on_each_node_records_nodes_and_equals_one_node_run(
         micro_teacher, micro_corpus, micro_scored, tmp_path):
     out = tmp_path / "ds"

@@ -124,8 +124,10 @@ def _kill_rerun_loop(micro_teacher, micro_corpus, tmp_path, kills: int, seed: in
     return marked_at_kill
 
 
+@pytest.mark.slow
 def test_driver_killed_and_rerun_gives_the_uninterrupted_dataset(micro_teacher, micro_corpus, tmp_path):
-    """The short version CI runs: 3 SIGKILLs, each after more shards are marked, before the last."""
+    """The short version: 3 SIGKILLs, each after more shards are marked, before the last. The
+    default suite kills the driver once on s3 (test_object_store_e2e)."""
     marked = _kill_rerun_loop(micro_teacher, micro_corpus, tmp_path, kills=3, seed=0)
     print("marked shards at each kill:", marked)
     assert marked == sorted(marked) and marked[0] >= 1, marked
