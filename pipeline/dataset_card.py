@@ -51,6 +51,7 @@ from storage_schemas import (
     ZERO_TOKEN_REASONS,
     ContractError,
     filesystem,
+    write_bytes_atomic,
 )
 from storage_schemas import schema as schema_module
 
@@ -515,24 +516,8 @@ def write_card(folder: str | os.PathLike, manifest: Mapping | None = None,
     stats = loss_statistics(folder, manifest.get("shards", []), token_budget)
     data = card_text(manifest, stats).encode("utf-8")
     location = filesystem.join(folder, CARD_NAME)
-    if filesystem.is_remote(location):
-        filesystem.write_bytes(location, data)
-    else:
-        _replace_local(location, data)
+    write_bytes_atomic(location, data)
     return location
-
-
-def _replace_local(path: str, data: bytes) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def write_card_or_warn(folder: str | os.PathLike, manifest: Mapping | None = None) -> str | None:

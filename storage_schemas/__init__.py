@@ -31,6 +31,7 @@ from storage_schemas.layout import (  # noqa: F401
     shard_index,
     shard_name,
     strict_json,
+    write_bytes_atomic,
     write_json_atomic,
 )
 from storage_schemas.rows import RowRules, check_rows, table_problems  # noqa: F401

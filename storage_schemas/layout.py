@@ -111,17 +111,21 @@ def strict_json(obj: Any) -> Any:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON so that readers see the old or the new file, never a part: locally under a
+    """Write JSON so that readers see the old or the new file, never a part (:func:`write_bytes_atomic`)."""
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write a file so that readers see the old or the new one, never a part: locally under a
     temporary name, fsynced, then renamed; on an object store in one PUT (an object appears whole)."""
-    text = json.dumps(obj, indent=1, sort_keys=True) + "\n"
     if sfs.is_remote(path):
-        sfs.write_bytes(path, text.encode())
+        sfs.write_bytes(path, data)
         return
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
