@@ -16,7 +16,8 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 .DEFAULT_GOAL := help
-# make test's pytest-xdist workers, each given whole test files (files share module fixtures)
+# make test's pytest-xdist workers, each given whole test files (files share module fixtures) in
+# collection order (testpaths: the longest first), not xdist's default of the files with most tests first
 TEST_WORKERS ?= 2
 
 .PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow test-slurm setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro rehearse eval-student compare clean clean-outputs
@@ -59,8 +60,8 @@ vocab-overlap: setup  ## vocabulary overlap of a teacher and a student tokenizer
 align-report: setup  ## how well a student tokenizer aligns to a scored dataset
 	$(PY) -m stages.inspect command=align-report $(ARGS)
 
-test: setup  ## the default test suite (what CI runs; ~11 min on 2 cores)
-	$(PY) -m pytest -q -m "not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile
+test: setup  ## the default test suite (what CI runs; ~13 min on 2 cores)
+	$(PY) -m pytest -q -m "not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-slow: setup  ## the slow tests (faults, clusters, memory, from-nothing repro)
 	$(PY) -m pytest -q -m slow
