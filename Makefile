@@ -121,7 +121,7 @@ gpu-bench-wheels: setup  ## Hydra's wheels for a GPU machine without them (.gpu-
 
 # OpenWebMath's scale on CPUs with the rehearsal teacher (no model): fractions of an OpenWebMath-shaped
 # corpus through every stage, measured; bench-results/scale.{json,md,png} (ARGS="fractions=[0.0001,0.001]")
-rehearse: setup  ## every stage at 0.01%, 0.1% and 1% of OpenWebMath, measured (bench-results/scale.*; ~30 min)
+rehearse: setup  ## every stage at 0.01%, 0.1% and 1% of OpenWebMath, measured (bench-results/scale.*; ~18 min)
 	$(PY) -m rehearsal $(ARGS)
 
 # Few-shot chain-of-thought math accuracy of a checkpoint; results side by side
