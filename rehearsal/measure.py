@@ -61,6 +61,16 @@ class ProcessPeak:
     peak_shmem_mib: float = 0.0
 
 
+def relabel(peak: ProcessPeak, cmdline: list[str], root_cmdline: list[str], parent_is_root: bool) -> None:
+    """Give a process seen again the role its command line says now. An empty command line says
+    nothing: a process being torn down (a killed actor freeing its memory, the raylet at shutdown)
+    reads empty before it is a zombie, and one just forked may too; it keeps the role it had."""
+    if not "".join(cmdline).strip():
+        return
+    peak.role = role_of(cmdline, root_cmdline, parent_is_root)
+    peak.command = " ".join(cmdline)[:160]
+
+
 @dataclass
 class StepResult:
     name: str
@@ -144,9 +154,7 @@ class TreeMonitor:
             peak = self.procs[p.pid]
             if peak.role != "driver":  # a worker forked by the raylet is exec'd, then retitled as an actor
                 try:
-                    cmd = p.cmdline()
-                    peak.role = role_of(cmd, self.root_cmdline, p.ppid() == self.root.pid)
-                    peak.command = " ".join(cmd)[:160]
+                    relabel(peak, p.cmdline(), self.root_cmdline, p.ppid() == self.root.pid)
                 except psutil.Error:
                     pass
             peak.peak_rss_mib = max(peak.peak_rss_mib, rss)

@@ -41,7 +41,11 @@ def test_a_tiny_rehearsal_through_every_stage(shared_tokenizers, tmp_path):
         assert step["returncode"] == 0 and step["wall_s"] > 0 and step["cpu_s"] > 0, name
         assert step["roles"]["driver"]["peak_rss_mib"] > 0, name
     stage1 = steps["stage1"]
-    assert stage1["roles"]["scorer actor"]["processes"] == 2 and stage1["roles"]["raylet"]["processes"] == 1
+    # every actor that loaded the teacher is counted as one; a second actor may still be starting when
+    # the first has scored the shards left (the pool then stops it), so the job's own list is the floor
+    started = {a["pid"] for a in stage1["summary"]["actors"]}
+    assert 1 <= len(started) <= stage1["roles"]["scorer actor"]["processes"] <= 2
+    assert stage1["roles"]["raylet"]["processes"] == 1
     assert stage1["files_written"] == 2 * 5 + 2 and stage1["bytes_written"] > 0  # shards, markers, manifest, card
     assert stage1["summary"]["shards_scored"] == 5 and stage1["summary"]["rehearsal"]
     assert result["checks"]["rerun_scored_nothing"] and steps["rerun"]["summary"]["shards_scored"] == 0
