@@ -48,16 +48,36 @@ def rehearse(cfg: RehearseConfig) -> dict:
             "shared_machine_note": busy_note([*results, markers or {}])}
 
 
-def busy_note(parts: list[dict]) -> str | None:
+def others_load(load: dict, cores: int) -> float:
+    """What the rest of the machine added to the load average while a part ran: the mean 1-minute
+    load less the cores the rehearsal's own processes kept busy (``own_cpu_rate``: their CPU
+    seconds per wall second). A part saved before that was recorded counts its whole load above
+    three quarters of the cores as others'."""
+    if "own_cpu_rate" in load:
+        return load["mean_1min"] - load["own_cpu_rate"]
+    return load["mean_1min"] - 0.75 * cores + BUSY_SHARE * cores
+
+
+BUSY_SHARE = 0.25  # others' load, as a share of the cores, above which a part's figures are flagged
+
+
+def busy_note(parts: list[dict], cores: int | None = None) -> str | None:
     """A warning when other work shared the machine while some part ran (or its load is unknown)."""
-    cores = os.cpu_count() or 1
+    cores = cores or os.cpu_count() or 1
     unknown = [p.get("tag", "markers") for p in parts if p and not p.get("load")]
-    busy = [p.get("tag", "markers") for p in parts if p.get("load") and p["load"]["mean_1min"] > 0.75 * cores]
+    busy = [p.get("tag", "markers") for p in parts if p.get("load") and others_load(p["load"], cores) > BUSY_SHARE * cores]
     if not unknown and not busy:
         return None
-    return ("Other work shared the machine while " + ", ".join(busy + unknown) + " ran (load average above "
-            f"{0.75 * cores:g}, or not recorded): its wall times and CPU seconds include what the contention cost; "
-            "rerun on an idle machine for the figures to quote.")
+    return ("Other work shared the machine while " + ", ".join(busy + unknown) + " ran (load average more than "
+            f"{BUSY_SHARE * cores:g} above what the rehearsal's own processes kept busy, or not recorded): its wall "
+            "times and CPU seconds include what the contention cost; rerun on an idle machine for the figures to quote.")
+
+
+def cpu_seconds() -> float:
+    """This process's CPU seconds and those of the children it has waited for (each step's command,
+    which waits for what it starts: its Ray cluster, its workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def run_everything(cfg: RehearseConfig) -> tuple[list[dict], dict | None]:
@@ -81,11 +101,12 @@ def run_everything(cfg: RehearseConfig) -> tuple[list[dict], dict | None]:
             log.info("rehearse: %s reused from %s", name, saved)
             return json.loads(saved.read_text())
         load = LoadSampler()  # how busy the machine was while this part ran
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
         try:
             result = make()
         finally:
             busy = load.stop()
-        result["load"] = busy
+        result["load"] = {**busy, "own_cpu_rate": round((cpu_seconds() - cpu0) / (time.perf_counter() - t0), 2)}
         saved.write_text(json.dumps(result, indent=1, default=str))
         return result
 
