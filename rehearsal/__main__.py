@@ -74,10 +74,13 @@ def busy_note(parts: list[dict], cores: int | None = None) -> str | None:
 
 
 def cpu_seconds() -> float:
-    """This process's CPU seconds and those of the children it has waited for (each step's command,
-    which waits for what it starts: its Ray cluster, its workers)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    """The CPU seconds of the rehearsal so far: this process's own (its threads: the samplers, an
+    in-process S3 server) and every measured step's, the whole process tree of each (a step's Ray
+    cluster is not a child its command waits for, so the kernel's count for waited-for children
+    would miss its workers)."""
+    from rehearsal.measure import STEPS_CPU_S
+
+    return time.process_time() + STEPS_CPU_S[0]
 
 
 def run_everything(cfg: RehearseConfig) -> tuple[list[dict], dict | None]:

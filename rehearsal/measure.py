@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 MIB = 2**20
+STEPS_CPU_S = [0.0]  # the CPU seconds of every step measured in this process so far (run_step adds to it)
 
 
 def role_of(cmdline: list[str], root_cmdline: list[str], parent_is_root: bool) -> str:
@@ -243,6 +244,7 @@ def run_step(name: str, command: list[str], *, outputs: list[str] = (), env: dic
     shared = [p.peak_shmem_mib for p in monitor.procs.values()]
     tail = out_file.read_bytes()[-4000:].decode("utf-8", "replace")
     out_file.unlink(missing_ok=True)
+    STEPS_CPU_S[0] += max(cpu_rusage, cpu_sampled)
     return StepResult(name=name, command=command, returncode=child.returncode, wall_s=wall,
                       cpu_s=max(cpu_rusage, cpu_sampled), cpu_rusage_s=cpu_rusage, cpu_sampled_s=cpu_sampled,
                       peak_tree_rss_mib=monitor.peak_tree, roles=monitor.roles(),
