@@ -133,7 +133,7 @@ compare: setup  ## evaluation results side by side
 
 # The paper's claims at toy scale (stage 1 + stage 2 + evaluation; design in conf/repro.yaml):
 # repro-results/report.md, the claims table alone in repro-results/summary.md
-repro: setup  ## the paper's claims at toy scale (repro-results/; ~50 min on 2 cores; ARGS="part=..." one part)
+repro: setup  ## the paper's claims at toy scale (repro-results/; ~60 min on 2 cores; ARGS="part=..." one part)
 	$(PY) -m repro $(ARGS)
 
 # make clean removes only what is rebuilt without cost; scored datasets, runs, exports and evaluations
