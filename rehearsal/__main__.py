@@ -48,24 +48,23 @@ def rehearse(cfg: RehearseConfig) -> dict:
             "shared_machine_note": busy_note([*results, markers or {}])}
 
 
-def others_load(load: dict, cores: int) -> float:
-    """What the rest of the machine added to the load average while a part ran: the mean 1-minute
-    load less the cores the rehearsal's own processes kept busy (``own_cpu_rate``: their CPU
-    seconds per wall second). A part saved before that was recorded counts its whole load above
-    three quarters of the cores as others'."""
-    if "own_cpu_rate" in load:
-        return load["mean_1min"] - load["own_cpu_rate"]
-    return load["mean_1min"] - 0.75 * cores + BUSY_SHARE * cores
-
-
 BUSY_SHARE = 0.25  # others' load, as a share of the cores, above which a part's figures are flagged
+
+
+def shared_with_others(load: dict, cores: int) -> bool:
+    """Whether the rest of the machine kept more than ``BUSY_SHARE`` of the cores busy while a part
+    ran: its mean 1-minute load less what its own processes used (``own_cpu_rate``: their CPU
+    seconds per wall second). A part saved before that was recorded: a load above 3/4 of the cores."""
+    if "own_cpu_rate" in load:
+        return load["mean_1min"] - load["own_cpu_rate"] > BUSY_SHARE * cores
+    return load["mean_1min"] > 0.75 * cores
 
 
 def busy_note(parts: list[dict], cores: int | None = None) -> str | None:
     """A warning when other work shared the machine while some part ran (or its load is unknown)."""
     cores = cores or os.cpu_count() or 1
     unknown = [p.get("tag", "markers") for p in parts if p and not p.get("load")]
-    busy = [p.get("tag", "markers") for p in parts if p.get("load") and others_load(p["load"], cores) > BUSY_SHARE * cores]
+    busy = [p.get("tag", "markers") for p in parts if p.get("load") and shared_with_others(p["load"], cores)]
     if not unknown and not busy:
         return None
     return ("Other work shared the machine while " + ", ".join(busy + unknown) + " ran (load average more than "

@@ -244,9 +244,10 @@ def run_step(name: str, command: list[str], *, outputs: list[str] = (), env: dic
     shared = [p.peak_shmem_mib for p in monitor.procs.values()]
     tail = out_file.read_bytes()[-4000:].decode("utf-8", "replace")
     out_file.unlink(missing_ok=True)
-    STEPS_CPU_S[0] += max(cpu_rusage, cpu_sampled)
+    cpu = max(cpu_rusage, cpu_sampled)
+    STEPS_CPU_S[0] += cpu
     return StepResult(name=name, command=command, returncode=child.returncode, wall_s=wall,
-                      cpu_s=max(cpu_rusage, cpu_sampled), cpu_rusage_s=cpu_rusage, cpu_sampled_s=cpu_sampled,
+                      cpu_s=cpu, cpu_rusage_s=cpu_rusage, cpu_sampled_s=cpu_sampled,
                       peak_tree_rss_mib=monitor.peak_tree, roles=monitor.roles(),
                       object_store_peak_mib=max(shared, default=0.0), files_written=files, bytes_written=size,
                       events=monitor.events, killed_at_s=killed_at, stdout_tail=tail, samples=monitor.samples)
