@@ -115,7 +115,7 @@ gpu-bench:  ## the GPU paths at full scale (bench-results/gpu-latest.*; ARGS="sm
 
 # Wheels of Hydra, OmegaConf and ANTLR's runtime (pure Python, the versions in $(VENV)) for a GPU
 # machine that lacks them: .gpu-wheels/ (see benchmarks/gpu.py)
-GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime
+GPU_WHEELS := hydra-core omegaconf antlr4-python3-runtime gguf
 gpu-bench-wheels: setup  ## Hydra's wheels for a GPU machine without them (.gpu-wheels/)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir .gpu-wheels $$($(PY) -c 'import sys, importlib.metadata as m; print(" ".join(f"{p}=={m.version(p)}" for p in sys.argv[1:]))' $(GPU_WHEELS))
 

@@ -1,6 +1,8 @@
 """``make gpu-bench`` in its smoke mode on CPU (the real run needs a GPU): it runs where only torch,
-transformers, accelerate, pyarrow, Hydra and OmegaConf (and what they require) exist, writes the JSON and Markdown, and its FLOP and MFU arithmetic equals a count worked out
-by hand."""
+transformers, accelerate, pyarrow, Hydra, OmegaConf and gguf (and what they require) exist, every
+part in a child process of its own, writes the JSON and Markdown, and its FLOP and MFU arithmetic
+equals a count worked out by hand; its trained-teacher part stores what an independent forward of
+the same weights gives."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 # What a bare GPU machine has (with Hydra's wheels carried there: make gpu-bench-wheels). The smoke
 # run sees these distributions and what they require, nothing else: links to them in one folder,
 # Python started with -S (no site-packages), the repository on PYTHONPATH.
-PRESENT = ("torch", "transformers", "accelerate", "pyarrow", "numpy", "hydra-core", "omegaconf")
+PRESENT = ("torch", "transformers", "accelerate", "pyarrow", "numpy", "hydra-core", "omegaconf", "gguf")
 NOT_NEEDED = ("ray", "polars", "datasets", "pandas")
 
 
@@ -63,17 +65,50 @@ PEAK_TFLOPS = 2.0
 TEACHER_FORWARD, STUDENT_STEP = 245_760, 688_128
 
 
+def trained_stand_in(folder: Path) -> Path:
+    """A tiny Llama and a byte-level BPE tokenizer saved as a model folder, for the trained-teacher
+    part (the real run gives a real one: SmolLM2-135M's GGUF file)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.inputs import math_texts
+    from pipeline.embedded.tiny_teacher import train_tokenizer
+
+    tokenizer = train_tokenizer(math_texts(40_000), 400)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.3)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
-def smoke_report(tmp_path_factory) -> dict:
+def real_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    work = tmp_path_factory.mktemp("real")
+    texts = ["Let $x^2 = 4$; then x = 2 or x = -2. " * 9, "A group G is abelian when ab = ba.", "∑ 1/n² = π²/6"]
+    pq.write_table(pa.table({"text": texts}), work / "pages.parquet")
+    return trained_stand_in(work / "teacher"), work / "pages.parquet"
+
+
+@pytest.fixture(scope="module")
+def smoke_report(tmp_path_factory, real_inputs) -> dict:
     work = tmp_path_factory.mktemp("gpu-bench")
     out = work / "gpu-smoke"
+    teacher, text = real_inputs
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{bare_site_packages(work / 'site-packages')}"}
     run = subprocess.run([sys.executable, "-S", "-m", "benchmarks.gpu", "smoke=true", f"peak_tflops={PEAK_TFLOPS}",
-                          f"out={out}", f"hydra.run.dir={work / 'logs'}"],
+                          f"out={out}", f"hydra.run.dir={work / 'logs'}", f"real_teacher={teacher}",
+                          f"real_text=[{text}]"],
                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(out.with_suffix(".json").read_text())
     report["_markdown"] = out.with_suffix(".md").read_text()
+    report["_losses"] = out.parent / f"{out.name}-real-losses.parquet"
     return report
 
 
@@ -83,16 +118,21 @@ def test_the_bare_machine_has_no_ray_polars_datasets_pandas():
 
 def test_smoke_runs_on_the_bare_machine(smoke_report):
     assert smoke_report["mode"] == "smoke" and smoke_report["machine"]["device_type"] == "cpu"
-    assert {"scoring", "training", "data", "vllm", "figures"} <= set(smoke_report)
+    assert {"scoring", "real_shape", "precision", "real_teacher", "training", "data", "vllm", "figures"} <= set(smoke_report)
     assert "| measure | value | target | status |" in smoke_report["_markdown"]
     keys = {f["key"] for f in smoke_report["figures"]}
-    assert {"scorer_over_bare", "scorer_mfu", "bare_forward_mfu", "guided_over_cpt", "cpt_mfu", "guided_mfu",
+    assert {"scorer_over_bare_teacher_w32", "scorer_over_bare_teacher_w64", "scorer_mfu_teacher_w64",
+            "bare_forward_mfu_teacher_w64", "scorer_over_bare_real_shape_w64", "precision_flip_share",
+            "real_teacher_flip_share", "real_teacher_p99_abs", "guided_over_cpt", "cpt_mfu", "guided_mfu",
             "data_tokens_per_core", "cores_per_gpu"} <= keys
+    assert not [f for f in smoke_report["figures"] if f["status"] == "error"]
     assert "skipped" in smoke_report["vllm"] or "tokens_per_s" in smoke_report["vllm"]
 
 
 def test_flop_counts_equal_the_hand_worked_ones(smoke_report):
-    assert smoke_report["scoring"]["flops_per_token"]["forward"] == TEACHER_FORWARD
+    assert smoke_report["scoring"]["by_window"]["64"]["flops_per_token"]["forward"] == TEACHER_FORWARD
+    # at T=32 only the attention term changes: 4 * 2 layers * 64 wide * 32 less
+    assert smoke_report["scoring"]["by_window"]["32"]["flops_per_token"]["forward"] == TEACHER_FORWARD - 16_384
     assert smoke_report["training"]["flops_per_token"]["train_step"] == STUDENT_STEP
 
 
@@ -100,18 +140,19 @@ def test_flop_counts_equal_the_hand_worked_ones(smoke_report):
                                             ("scoring", "bare_forward", TEACHER_FORWARD),
                                             ("training", "guided", STUDENT_STEP), ("training", "cpt", STUDENT_STEP)])
 def test_mfu_is_tokens_per_second_times_flops_over_the_peak(smoke_report, part, key, flops):
-    side = smoke_report[part][key]
-    tokens = (smoke_report[part]["tokens_per_repeat"] if part == "scoring"
+    sc = smoke_report["scoring"]["by_window"]["64"]
+    side = sc[key] if part == "scoring" else smoke_report[part][key]
+    tokens = (sc["tokens_per_repeat"] if part == "scoring"
               else smoke_report["training"]["micro_batch"][0] * smoke_report["training"]["micro_batch"][1])
     tokens_per_s = tokens / statistics.median(side["seconds"])
     assert side["tokens_per_s"] == pytest.approx(tokens_per_s, rel=1e-12)
     assert side["mfu"] == pytest.approx(tokens_per_s * flops / (PEAK_TFLOPS * 1e12), rel=1e-12)
     by_key = {f["key"]: f["value"] for f in smoke_report["figures"]}
-    assert by_key[f"{key}_mfu"] == side["mfu"]
+    assert by_key[f"{key}_mfu" + ("_teacher_w64" if part == "scoring" else "")] == side["mfu"]
 
 
 def test_ratios_and_cores_follow_from_the_raw_timings(smoke_report):
-    sc, tr, da = smoke_report["scoring"], smoke_report["training"], smoke_report["data"]
+    sc, tr, da = smoke_report["scoring"]["by_window"]["64"], smoke_report["training"], smoke_report["data"]
     paired = [b / s for b, s in zip(sc["bare_forward"]["seconds"], sc["scorer"]["seconds"])]
     assert sc["scorer_over_bare"]["median"] == pytest.approx(statistics.median(paired))
     paired = [g / c for g, c in zip(tr["guided"]["seconds"], tr["cpt"]["seconds"])]
@@ -139,7 +180,8 @@ def test_full_shapes_match_the_published_parameter_counts():
 def test_config_count_equals_the_model_count(smoke_report):
     from benchmarks.gpu import SHAPES, _linear_parameters
 
-    assert _linear_parameters(SHAPES["smoke-teacher"]) == smoke_report["scoring"]["flops_per_token"]["linear_parameters"]
+    assert (_linear_parameters(SHAPES["smoke-teacher"])
+            == smoke_report["scoring"]["by_window"]["64"]["flops_per_token"]["linear_parameters"])
     assert _linear_parameters(SHAPES["smoke-student"]) == smoke_report["training"]["flops_per_token"]["linear_parameters"]
 
 
@@ -154,24 +196,81 @@ def test_settings_are_checked_all_at_once(tmp_path):
     assert not list(tmp_path.glob("*.json"))
 
 
-def test_the_vllm_child_is_started_with_its_task_as_a_setting(tmp_path, monkeypatch):
-    """The vLLM part runs in a child process (``vllm_child=<task file>``); its command line is one
-    the entry point accepts, and the task file holds what the child needs."""
-    from types import SimpleNamespace
-
+def test_a_part_child_is_started_with_its_task_as_a_setting(tmp_path):
+    """Each part runs in a child process (``part_child=<task file>``); its command line is one the
+    entry point accepts."""
     from hydra import compose, initialize_config_dir
 
     import benchmarks.gpu as gpu
     from stages.common import CONF_DIR, check_command_line
 
-    started = []
-    monkeypatch.setattr(gpu, "find_spec", lambda name: object())
-    monkeypatch.setattr(gpu.subprocess, "run", lambda cmd, **kw: started.append(cmd) or SimpleNamespace(returncode=1, stderr=""))
-    gpu.bench_vllm(gpu.SMOKE, SimpleNamespace(type="cuda"), "bfloat16", 1.0, tmp_path)
-    (cmd,) = started
-    assert cmd[1:3] == ["-m", "benchmarks.gpu"]
-    args = check_command_line(CONF_DIR, "gpu_bench", cmd[3:], gpu.gpu_bench_config)  # raises on any problem
+    cmd = gpu.part_command(tmp_path / "scoring-task.json", tmp_path, "scoring")
+    assert cmd[0] == sys.executable and cmd[-5:-3] == ["-m", "benchmarks.gpu"]
+    args = check_command_line(CONF_DIR, "gpu_bench", cmd[-3:], gpu.gpu_bench_config)  # raises on any problem
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("gpu_bench", overrides=[a for a in args if not a.startswith("hydra.")])
-    task = json.loads(Path(gpu.gpu_bench_config(cfg).vllm_child).read_text())
-    assert task["settings"] == gpu.asdict(gpu.SMOKE) and task["dtype"] == "bfloat16"
+    assert gpu.gpu_bench_config(cfg).part_child == str(tmp_path / "scoring-task.json")
+
+
+def test_a_part_that_hangs_is_stopped_and_the_next_still_runs(tmp_path, monkeypatch):
+    """A part past its time limit is killed with its children and recorded; the run goes on."""
+    import benchmarks.gpu as gpu
+
+    hang = [sys.executable, "-c", "import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"]
+    monkeypatch.setattr(gpu, "part_command", lambda task, work, name: hang)
+    t0 = __import__("time").perf_counter()
+    result = gpu.run_part("scoring", {}, tmp_path, limit_s=2, smoke=False)
+    assert __import__("time").perf_counter() - t0 < 20
+    assert result["error"] == "scoring: stopped at its time limit of 2 s"
+
+
+def test_the_trained_teacher_losses_equal_an_independent_forward(smoke_report, real_inputs):
+    """The part's stored float32 losses (stage 1's path) against a float64 forward of the same
+    weights over each document's own window plan worked out here (window 64, stride 32)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    teacher, text = real_inputs
+    model = LlamaForCausalLM.from_pretrained(teacher, dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    stored = pq.read_table(smoke_report["_losses"]).to_pylist()
+    texts = pq.read_table(text)["text"].to_pylist()
+    assert [r["doc_id"] for r in stored] == [f"pages.parquet:{i}" for i in range(len(texts))]
+    window, stride = 64, 32
+    for row, doc in zip(stored, texts):
+        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
+        assert row["ids"] == ids
+        want = np.full(len(ids), np.nan)
+        for p in range(1, len(ids)):  # the first window reaching p starts at k * stride
+            start = 0 if p < window else ((p - window) // stride + 1) * stride
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids[start:p]])).logits[0, -1]
+            want[p] = -torch.log_softmax(logits, -1)[ids[p]].item()
+        got = np.asarray(row["loss_float32"], dtype=np.float64)
+        assert np.isnan(got[0]) and np.abs(got[1:] - want[1:]).max() < 1e-4
+        assert np.abs(np.asarray(row["loss_bfloat16"][1:]) - want[1:]).max() < 1.0
+    rt = smoke_report["real_teacher"]
+    assert rt["differences"]["tokens"] == sum(len(r["ids"]) for r in stored)
+    assert rt["files"]["pages.parquet"]["documents"] == len(texts)
+
+
+def test_merging_two_runs_keeps_each_part_and_refuses_two_devices(smoke_report, tmp_path):
+    import benchmarks.gpu as gpu
+
+    first = {k: v for k, v in smoke_report.items() if not k.startswith("_") and k not in ("training", "data")}
+    second = {k: v for k, v in smoke_report.items() if not k.startswith("_") and k not in ("scoring",)}
+    second["real_teacher"] = {"error": "real_teacher: stopped at its time limit of 1 s"}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, report in zip(paths, (first, second)):
+        path.write_text(json.dumps(report))
+    merged = gpu.merge_reports([str(p) for p in paths])
+    assert merged["scoring"] == smoke_report["scoring"] and merged["training"] == smoke_report["training"]
+    assert merged["real_teacher"] == smoke_report["real_teacher"]  # a later failure does not replace a result
+    assert merged["seconds"] == pytest.approx(first["seconds"] + second["seconds"])
+    other = {**second, "machine": {**second["machine"], "device": "NVIDIA H200"}}
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(gpu.ConfigError, match="different devices"):
+        gpu.merge_reports([str(p) for p in paths])
