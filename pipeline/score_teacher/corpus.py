@@ -12,6 +12,9 @@ Two ways in, both ending in a list of row ranges over concrete files:
   ``hub_root`` names a local or object-store copy of the repository to read instead of the hub.
 
 Document id: ``<file name>:<row>`` for both, so the same file gives the same ids whatever its source.
+Where two files of one corpus share a name (``a/train.jsonl``, ``b/train.jsonl``), each is named by
+as many trailing parts of its path as tell them apart (``a/train.jsonl:0``): the same for a local
+copy, a bucket and a hub repository of the same layout (:func:`file_labels`).
 
 Shards are fixed row ranges of ``rows_per_shard`` rows inside one file, numbered in file order, so
 the plan (and every document id) is a pure function of the input and ``rows_per_shard``. Changing
@@ -221,13 +224,15 @@ def _expand(pattern: str, corpus: str) -> list[str]:
 
 
 def _describe_all(locations: list[tuple[str, str | None]], cfg: CorpusConfig) -> list[SourceFile]:
-    """Describe files in order until ``limit_docs`` rows are covered (footers only, for Parquet)."""
+    """Describe files in order until ``limit_docs`` rows are covered (footers only, for Parquet),
+    each named as the whole corpus's listing tells it apart (so ``limit_docs`` changes no id)."""
     sources: list[SourceFile] = []
     rows = 0
-    for location, sha256 in locations:
+    labels = file_labels([location for location, _ in locations])
+    for (location, sha256), label in zip(locations, labels):
         if cfg.limit_docs is not None and rows >= cfg.limit_docs:
             break
-        sources.append(describe_file(location, cfg.text_column, sha256))
+        sources.append(describe_file(location, cfg.text_column, sha256, label))
         rows += sources[-1].rows
     _warn_large_row_groups(sources, cfg.rows_per_shard)
     return sources
@@ -240,9 +245,32 @@ def _names_in(folder: str) -> list[str]:
         return []
 
 
-def describe_file(location: str, text_column: str, sha256: str | None = None) -> SourceFile:
-    """Row count, size and row groups of one file: a Parquet footer, or a JSONL file's lines."""
+def file_labels(locations: list[str]) -> list[str]:
+    """What the document ids name each file by: its file name, unless another file of the corpus
+    has that name too; then each of those by its last path parts, as few as tell them all apart
+    (``a/train.jsonl``, ``b/train.jsonl``), whatever comes before (a local folder, a bucket, the
+    hub's ``datasets/<id>@<commit>``). Files whose paths differ only there keep their locations."""
+    parts = [location.split("://", 1)[-1].replace(os.sep, "/").strip("/").split("/") for location in locations]
+    labels = [p[-1] for p in parts]
+    by_name: dict[str, list[int]] = {}
+    for i, name in enumerate(labels):
+        by_name.setdefault(name, []).append(i)
+    for same in (s for s in by_name.values() if len(s) > 1):
+        tails = [locations[i] for i in same]
+        for k in range(2, max(len(parts[i]) for i in same) + 1):
+            if len({"/".join(parts[i][-k:]) for i in same}) == len(same):
+                tails = ["/".join(parts[i][-k:]) for i in same]
+                break
+        for i, tail in zip(same, tails):
+            labels[i] = tail
+    return labels
+
+
+def describe_file(location: str, text_column: str, sha256: str | None = None, label: str | None = None) -> SourceFile:
+    """Row count, size and row groups of one file: a Parquet footer, or a JSONL file's lines.
+    ``label`` names it in the document ids (default: its file name; :func:`file_labels`)."""
     name = file_name(location)
+    label = label or name
     kind = next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
     if kind is None:
         raise CorpusError(f"{location}: unsupported corpus file type; expected .parquet or .jsonl")
@@ -259,10 +287,10 @@ def describe_file(location: str, text_column: str, sha256: str | None = None) ->
         raise CorpusError(f"{location}: {what} ({_one_line(exc)})") from exc
     if kind == "jsonl":
         _refuse_jsonl_without_text(location, head, text_column)
-        return SourceFile(location, "jsonl", rows, name, bytes=size, sha256=sha256)
+        return SourceFile(location, "jsonl", rows, label, bytes=size, sha256=sha256)
     _refuse_parquet_without_text(location, meta, text_column)
     groups = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
-    return SourceFile(location, "parquet", meta.num_rows, name, bytes=size, sha256=sha256, row_groups=groups)
+    return SourceFile(location, "parquet", meta.num_rows, label, bytes=size, sha256=sha256, row_groups=groups)
 
 
 def _scan_lines(fs: pafs.FileSystem, path: str) -> tuple[int, int, list[bytes]]:
@@ -480,11 +508,12 @@ def plan_shards(sources: list[SourceFile], rows_per_shard: int, limit_docs: int 
 
 
 def corpus_identity(cfg: CorpusConfig, sources: list[SourceFile], shards: list[ShardSpec]) -> dict:
-    """What proves two runs read the same corpus the same way: each file's name (the document ids
-    hold it), row count, size and content sha256, and the shard plan; never the files' locations
-    (a local copy, a bucket and a hub mirror of the same files have the same identity)."""
+    """What proves two runs read the same corpus the same way: each file's name as the document ids
+    hold it (its label: the file name, unless two files share one), row count, size and content
+    sha256, and the shard plan; never the files' locations (a local copy, a bucket and a hub mirror
+    of the same files have the same identity)."""
     digests = source_digests(sources)
-    listing = [[file_name(s.path), s.rows, s.bytes, d] for s, d in zip(sources, digests)]
+    listing = [[s.label, s.rows, s.bytes, d] for s, d in zip(sources, digests)]
     return {
         "name": cfg.name,
         "source": cfg.source,

@@ -60,7 +60,6 @@ from pipeline.score_teacher.corpus import (
     SourceFile,
     absolute_files,
     corpus_identity,
-    file_name,
     plan_shards,
     read_shard,
     resolve_sources,
@@ -474,7 +473,7 @@ def _release_cuda_memory(exc: BaseException) -> None:
 
 
 def _shard_source(spec: ShardSpec) -> dict:
-    return {"file": file_name(spec.path), "kind": spec.kind, "start": spec.start, "stop": spec.stop,
+    return {"file": spec.label, "kind": spec.kind, "start": spec.start, "stop": spec.stop,
             "first_doc_id": f"{spec.label}:{spec.row_offset + spec.start}"}
 
 
