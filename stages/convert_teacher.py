@@ -1,19 +1,21 @@
 """``python -m stages.convert_teacher teacher=<name>`` (``make convert-teacher``): write a
 safetensors copy of a teacher whose checkpoint ships only pickle (``.bin``) weights, read once with
-``torch.load(weights_only=True)``; then score with ``teacher.model=<that folder>``.
-Configuration: ``conf/convert_teacher.yaml``.
+``torch.load(weights_only=True)``, or of a GGUF checkpoint (``teacher.model=<file>.gguf``),
+dequantized to float32 (:func:`pipeline.model_source.convert_gguf`); then score with
+``teacher.model=<that folder>``. Configuration: ``conf/convert_teacher.yaml``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.config import defaults
-from pipeline.model_source import check_teacher_source, convert_to_safetensors
+from pipeline.config import ConfigError, defaults
+from pipeline.model_source import check_teacher_source, convert_gguf, convert_to_safetensors
 from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
 from stages.common import build, entry_point, make_command, override, plain, quiet_libraries, raise_if
 
@@ -29,9 +31,14 @@ def teacher_config(cfg: DictConfig) -> TeacherConfig:
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     teacher = teacher_config(cfg)
-    check_teacher_source(replace(teacher, allow_bin=True))
-    out = convert_to_safetensors(teacher.model, to_absolute_path(cfg.out_dir), revision=teacher.revision,
-                                 trust_remote_code=teacher.trust_remote_code)
+    if teacher.model.endswith(".gguf"):
+        if not os.path.isfile(os.path.expanduser(teacher.model)):
+            raise ConfigError(f"teacher.model: no such GGUF file: {teacher.model}")
+        out = convert_gguf(teacher.model, to_absolute_path(cfg.out_dir))
+    else:
+        check_teacher_source(replace(teacher, allow_bin=True))
+        out = convert_to_safetensors(teacher.model, to_absolute_path(cfg.out_dir), revision=teacher.revision,
+                                     trust_remote_code=teacher.trust_remote_code)
     print(f"safetensors copy of {teacher.model} written to {out}")
     print("score with: " + make_command("score-teacher", override("teacher", cfg.teacher.name),
                                         override("teacher.model", out)))
