@@ -23,10 +23,11 @@ the plan (and every document id) is a pure function of the input and ``rows_per_
 
 Text is decoded per document, so one undecodable row is recorded and skipped, never fatal. A
 file with no usable text at all is refused before any work, naming it, the fields it has and
-``data.text_column``: a Parquet file without the text column, or whose text column is null in every
-row (its footer's statistics say so); a JSONL file none of whose first :data:`TEXT_SAMPLE_LINES`
-lines holds a string in the text field. A corpus of no row at all is refused too. A few null or
-missing texts are not: each is recorded with its document (docs/RELIABILITY.md).
+``data.text_column``: a Parquet file without the text column, whose text column is not a string
+column (int64, say), or whose text column is null in every row (its footer's statistics say so); a
+JSONL file none of whose first :data:`TEXT_SAMPLE_LINES` lines holds a string in the text field. A
+corpus of no row at all is refused too. A few null or missing texts are not: each is recorded with
+its document (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -351,6 +352,10 @@ def _refuse_parquet_without_text(location: str, meta: pq.FileMetaData, text_colu
     if text_column not in schema.names:
         raise CorpusError(f"{location}: no column {text_column!r} (columns found: {', '.join(schema.names)}); "
                           f"{_text_column_fix(sizes, text_column)}")
+    kind = schema.field(text_column).type
+    if not _is_readable_text(kind):
+        raise CorpusError(f"{location}: column {text_column!r} has type {kind}; the text must be a string column "
+                          f"(columns found: {', '.join(schema.names)}); {_text_column_fix(sizes, text_column)}")
     if meta.num_rows and _all_null(meta, schema.get_field_index(text_column)):
         others = {k: v for k, v in sizes.items() if k != text_column}
         raise CorpusError(f"{location}: column {text_column!r} holds no text (null in all {meta.num_rows} rows; "
@@ -359,6 +364,11 @@ def _refuse_parquet_without_text(location: str, meta: pq.FileMetaData, text_colu
 
 def _is_text_type(kind: pa.DataType) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _is_readable_text(kind: pa.DataType) -> bool:
+    """What a shard reads as text: strings, or bytes decoded per row (:func:`_read_text_column`)."""
+    return _is_text_type(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
 
 
 def _all_null(meta: pq.FileMetaData, index: int) -> bool:
@@ -608,9 +618,9 @@ def _read_text_column(spec: ShardSpec, text_column: str) -> list[bytes | None]:
             raise CorpusError(f"{spec.path}: unknown file kind {spec.kind!r}")
         table = _read_parquet_rows(spec.path, spec.start, spec.stop, text_column)
         column = table.column(text_column)
-        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        if _is_text_type(column.type):
             column = pc.cast(column, pa.large_binary())  # decode per row: one bad row is not fatal
-        elif not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        elif not _is_readable_text(column.type):
             raise CorpusError(f"{spec.path}: column {text_column!r} has type {column.type}, expected string")
         values = column.to_pylist()
     except CorpusError:

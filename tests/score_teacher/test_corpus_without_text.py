@@ -102,6 +102,25 @@ def test_the_jsonl_rule_looks_at_the_first_lines(tmp_path):
         resolve_sources(corpus(csv))
 
 
+def numbers_as_text(path: Path) -> Path:
+    """A Parquet file whose ``text`` column holds int64 numbers; the text is in ``body``."""
+    path = path.with_suffix(".parquet")
+    pq.write_table(pa.table({"url": [f"https://example.org/{i}" for i in range(50)], "text": list(range(50)),
+                             "body": [f"page {i}: the sum of 2 and {i} is {2 + i}. " * 3 for i in range(50)]}), path)
+    return path
+
+
+def test_a_text_column_of_another_type_is_refused_and_one_of_bytes_is_not(tmp_path):
+    path = numbers_as_text(tmp_path / "numbers")
+    with pytest.raises(CorpusError) as err:
+        resolve_sources(corpus(path))
+    assert str(err.value) == (f"{path}: column 'text' has type int64; the text must be a string column (columns found: "
+                              "url, text, body); set data.text_column=body if that field holds the text")
+    raw = tmp_path / "bytes.parquet"  # UTF-8 bytes are read as text, decoded per row
+    pq.write_table(pa.table({"text": pa.array([b"2 + 2 = 4", "π ≈ 3.14".encode()], pa.binary())}), raw)
+    assert [s.rows for s in resolve_sources(corpus(raw))] == [2]
+
+
 def stage1(tmp_path: Path, files: list[Path]) -> subprocess.CompletedProcess:
     """``make score-teacher`` with the user's corpus, as the README writes it."""
     args = ["data=open-web-math", "data.name=spacey", "data.source=files", f"data.files=[{','.join(map(str, files))}]",
@@ -111,13 +130,18 @@ def stage1(tmp_path: Path, files: list[Path]) -> subprocess.CompletedProcess:
                           text=True, timeout=600, env={**os.environ, "VOCAGNO_TRACEBACK": ""})
 
 
-@pytest.mark.parametrize("case", ["jsonl-content", "parquet-content", "empty-jsonl"])
+@pytest.mark.parametrize("case", ["jsonl-content", "parquet-content", "empty-jsonl", "parquet-int64"])
 def test_the_stage_refuses_a_corpus_without_text_in_one_line_before_any_work(case, tmp_path):
     if case == "empty-jsonl":
         path = tmp_path / "corpus" / "empty.jsonl"
         path.parent.mkdir()
         path.write_text("")
         expected = f"error: data.files: corpus 'spacey': no document to score: {path} is empty"
+    elif case == "parquet-int64":
+        (tmp_path / "corpus").mkdir()
+        path = numbers_as_text(tmp_path / "corpus" / "numbers")
+        expected = (f"error: data.files: {path}: column 'text' has type int64; the text must be a string column "
+                    "(columns found: url, text, body); set data.text_column=body if that field holds the text")
     else:
         (tmp_path / "corpus").mkdir()
         path = WRITERS[case.split("-")[0]](tmp_path / "corpus" / "pages", pages(120))
