@@ -160,6 +160,7 @@ class DataConfig:
             found.append(f"token_ratio_bound: must be > 0, got {self.token_ratio_bound}")
         check_choice(found, "verify", self.verify, VERIFY)
         check_at_least(found, "epochs", self.epochs, 1)
+        check_at_least(found, "num_workers", self.num_workers, 0)  # 0: the training process loads the data
         if not self.folders and not self.mixture and not self.export:
             found.append("folders: no scored dataset folder given")
         return found

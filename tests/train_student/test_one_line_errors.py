@@ -84,3 +84,13 @@ def test_a_sequence_longer_than_the_students_positions_is_the_first_error(tiny_s
     assert str(refusal.value) == (f"student.seq_len: 100000 exceeds the 64 positions of {tiny_student}; "
                                   "set student.seq_len <= 64")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_negative_number_of_data_loader_workers_is_refused_before_any_work(tmp_path):
+    scored = stand_in_scored(tmp_path / "scored")
+    result = cli("train_student", tmp_path, f"data.folders=[{scored}]", "data.num_workers=-1")
+    assert refused(result) == "error: data.num_workers: -1 must be >= 0\n"
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "out").exists()
+    values = {"student": {"name": "t", "model": "org/model"}, "data": {"folders": [str(scored)], "num_workers": 0},
+              "train": {}, "loss": {}, "output_dir": str(tmp_path / "out")}
+    assert train_job_config(values).data.num_workers == 0  # the data loaded in the training process
