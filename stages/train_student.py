@@ -1,8 +1,9 @@
 """Stage 2 entry point: ``python -m stages.train_student [hydra overrides]`` (``make train-student``).
 
 Reads as a list of steps: compose and check the config (every problem at once, files included),
-build the embedded student if it is the one chosen, train (:mod:`pipeline.train_student.run`), print
-the summary. The defaults are the typed configs'; ``conf/train_student.yaml`` only overrides them.
+build the embedded student if it is the one chosen, check that a hub student can be had, train
+(:mod:`pipeline.train_student.run`), print the summary. The defaults are the typed configs';
+``conf/train_student.yaml`` only overrides them.
 Several processes (``torchrun`` / ``accelerate launch``) run the same steps; only the first writes
 the run folder and prints.
 """
@@ -26,6 +27,7 @@ from pipeline.train_student.plan import TrainPlan, plan_training
 from pipeline.train_student.run import (
     TrainJobConfig,
     TrainSummary,
+    check_student_source,
     config_defaults,
     run_training,
     train_job_config,
@@ -140,6 +142,7 @@ def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg, check_files=True)
     build_embedded(cfg)
+    check_student_source(job.student)  # one clear line, before any work, if a hub student cannot be had
     if cfg.get("plan"):  # the bill only: the manifests, a sample of documents, the student's tokenizer
         print_plan(plan_training(job, world_size=int(os.environ.get("WORLD_SIZE", "1"))), job)
         return

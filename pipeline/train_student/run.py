@@ -46,7 +46,13 @@ from pipeline.config import (
 from pipeline.cpu_threads import threads_for, torch_threads
 from pipeline.folder_lock import exclusive_writer
 from pipeline.guided_loss import SelectionConfig
-from pipeline.model_source import local_model_problem, model_positions, refuse_seq_len
+from pipeline.model_source import (
+    TeacherSourceError,
+    check_tokenizer_source,
+    local_model_problem,
+    model_positions,
+    refuse_seq_len,
+)
 from pipeline.provenance import model_identity
 from pipeline.rehearsal import refuse_rehearsal, warn_rehearsal
 from pipeline.several_teachers import MISSING_RULES, open_teachers
@@ -411,6 +417,20 @@ def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
     found = scored_folder_problems(folders)
     problem = None if embedded_student else local_model_problem("student.model", model)
     return found + ([problem] if problem else [])
+
+
+def check_student_source(student: StudentConfig) -> None:
+    """Raise :class:`pipeline.model_source.TeacherSourceError`, one line naming the setting and the
+    ways out, within seconds, unless a hub student (and a hub tokenizer of its own) is in the Hugging
+    Face cache or on a reachable hub: before any work, as stage 1 checks its teacher. Local paths are
+    the configuration checks' (:func:`file_problems`)."""
+    for setting, source in (("student.model", student.model), ("student.tokenizer", student.tokenizer)):
+        if source and not os.path.exists(os.path.expanduser(source)):
+            try:
+                check_tokenizer_source(setting, source, student.revision)
+            except TeacherSourceError as exc:  # its local way out names a tokenizer; student.model is a model folder
+                raise TeacherSourceError(str(exc).replace("student.model=/path/to/tokenizer",
+                                                          "student.model=/path/to/folder")) from None
 
 
 def source_file_problems(data_values: Mapping) -> list[str]:

@@ -20,11 +20,11 @@ from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, T
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli(stage: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def cli(stage: str, tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", f"stages.{stage}", f"hydra.run.dir={tmp_path / 'logs'}",
                            f"artifacts_dir={tmp_path / 'artifacts'}", f"output_dir={tmp_path / 'out'}", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
 def refused(result, *words: str) -> str:
@@ -94,3 +94,24 @@ def test_a_negative_number_of_data_loader_workers_is_refused_before_any_work(tmp
     values = {"student": {"name": "t", "model": "org/model"}, "data": {"folders": [str(scored)], "num_workers": 0},
               "train": {}, "loss": {}, "output_dir": str(tmp_path / "out")}
     assert train_job_config(values).data.num_workers == 0  # the data loaded in the training process
+
+
+def test_a_hub_student_that_cannot_be_had_offline_is_one_line_before_any_work(tiny_student, tmp_path):
+    """The paper's student offline with an empty cache, and a hub tokenizer beside a local student:
+    one line each, exit 2, before the data is read or anything built (as stage 1's teacher check)."""
+    scored = stand_in_scored(tmp_path / "scored")  # not a dataset: read only after the check
+    hub = tmp_path / "hf" / "hub"
+    offline = {"HF_HOME": str(tmp_path / "hf")}
+    model = "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"  # conf/student/tinyllama-1.1b.yaml
+    line = refused(cli("train_student", tmp_path, "student=tinyllama-1.1b", f"data.folders=[{scored}]", env=offline))
+    assert line.count("\n") == 1, line
+    assert line.startswith(f"error: student.model ({model}): {model} is not in the Hugging Face cache ({hub}) and "
+                           "HF_HUB_OFFLINE is set; ways out: a local folder or file (student.model=/path/to/folder), "
+                           f"or the Hugging Face cache (download once where there is network: hf download {model};"), line
+    line = refused(cli("train_student", tmp_path, "student.embedded=false", f"student.model={tiny_student}",
+                       "student.tokenizer=org/student-tokenizer", f"data.folders=[{scored}]", env=offline))
+    assert line.count("\n") == 1, line
+    assert line.startswith("error: student.tokenizer (org/student-tokenizer): org/student-tokenizer is not in the "
+                           f"Hugging Face cache ({hub}) and HF_HUB_OFFLINE is set; ways out: a local folder or file "
+                           "(student.tokenizer=/path/to/tokenizer)"), line
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "out").exists()
