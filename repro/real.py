@@ -430,10 +430,9 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(RealStudyConfig)
             if f.default is not dataclasses.MISSING and f.name not in ("corpus",)}
 
 
-@entry_point("repro_real", DEFAULTS, check=study_config)
-def main(cfg: DictConfig) -> None:
-    quiet_libraries()
-    study = study_config(cfg)
+def run_study(study: RealStudyConfig) -> dict:
+    """Every step (module docstring); returns the report's record. Needs Hydra's config search path
+    on ``conf/`` (the entry point's; a test: ``initialize_config_dir``)."""
     t0 = time.perf_counter()
     work = Path(to_absolute_path(study.work_dir))
     corpus = build_corpus(study, work)
@@ -445,7 +444,7 @@ def main(cfg: DictConfig) -> None:
     students = {name: build_student(name, spec, work) for name, spec in study.students.items()}
     base = {}
     for name, folder in students.items():
-        path = work / "base-eval" / f"{name}-{held_sha[:12]}.json"
+        path = work / "base-eval" / f"{name}-{hashlib.sha256(f'{folder}:{held_sha}'.encode()).hexdigest()[:12]}.json"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(evaluate(folder, held, study.students[name].seq_len)))
@@ -455,8 +454,15 @@ def main(cfg: DictConfig) -> None:
     meta = {"finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": time.perf_counter() - t0,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "partial": len(results) < len(todo),
             "runs_planned": len(todo), "runs_trained": len(results) - n_cached, "runs_cached": n_cached}
-    write_report(study, results, base, corpus, scored, Path(to_absolute_path(study.report_dir)), meta)
+    record = write_report(study, results, base, corpus, scored, Path(to_absolute_path(study.report_dir)), meta)
     print(f"report: {Path(study.report_dir) / 'report.md'} ({len(results)} of {len(todo)} runs)")
+    return record
+
+
+@entry_point("repro_real", DEFAULTS, check=study_config)
+def main(cfg: DictConfig) -> None:
+    quiet_libraries()
+    run_study(study_config(cfg))
 
 
 if __name__ == "__main__":
