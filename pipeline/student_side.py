@@ -50,7 +50,8 @@ combines the losses per student token; each position then also carries every tea
 Alignment methods: ``token`` (METHOD 2.1 span overlap, aggregated with max/mean/min), ``chunk``
 (the C-chunk ablation, a mean per chunk) and ``one_to_one`` (same-vocabulary Rho-1; needs identical
 spans). :func:`resolve_alignment` turns ``token`` into ``one_to_one`` when the student's tokenizer
-is the teacher's (same sha256 fingerprint), as METHOD asks for identical tokenizers.
+is the teacher's (same sha256 fingerprint), as METHOD asks for identical tokenizers, and refuses
+``one_to_one`` asked for with another tokenizer.
 """
 
 from __future__ import annotations
@@ -180,11 +181,22 @@ class PackingConfig:
 
 
 def resolve_alignment(config: AlignmentConfig, tokenizer, teacher_identity: dict) -> AlignmentConfig:
-    """``token`` becomes ``one_to_one`` when the student tokenizer is the teacher's (same fingerprint)."""
-    teacher_sha = (teacher_identity.get("teacher") or {}).get("tokenizer_sha256")
-    if config.method == "token" and teacher_sha and teacher_sha == fingerprint(tokenizer):
+    """``token`` becomes ``one_to_one`` when the student tokenizer is the teacher's (same fingerprint);
+    ``one_to_one`` asked for with another tokenizer is refused (:class:`ConfigError`), before any
+    token is counted or aligned."""
+    teacher = teacher_identity.get("teacher") or {}
+    teacher_sha = teacher.get("tokenizer_sha256")
+    student_sha = fingerprint(tokenizer) if teacher_sha else None
+    if config.method == "token" and teacher_sha and teacher_sha == student_sha:
         log.info("student and teacher share the tokenizer: one-to-one alignment (same-vocabulary Rho-1)")
         return replace(config, method="one_to_one")
+    if config.method == "one_to_one" and teacher_sha and teacher_sha != student_sha:
+        raise ConfigError(
+            f"loss.alignment: one_to_one needs the same tokenizer for student and teacher (it pairs student token i "
+            f"with teacher token i), and these differ (the student's tokenizer sha256 {student_sha[:12]}, teacher "
+            f"{teacher.get('name')}'s {teacher_sha[:12]}); use loss.alignment=token (the default: it aligns by "
+            "character spans across tokenizers, and is one-to-one by itself where they are the same) or "
+            "loss.alignment=chunk")
     return config
 
 
@@ -789,10 +801,10 @@ def build_student_data(
             return _build_several(list(scored), tokenizer, packing, alignment, cache_dir=cache_dir,
                                   num_proc=num_proc, on_bad_shard=on_bad_shard, missing_documents=missing_documents)
         scored = scored[0]
+    alignment = resolve_alignment(alignment, tokenizer, scored.folders[0].identity)
     scored, lengths = measure_documents(scored, tokenizer, cache_dir, num_proc=num_proc, on_bad_shard=on_bad_shard)
     add_bos = packing.add_bos if packing.add_bos is not None else bos_token_id(tokenizer) is not None
     plan = build_plan(lengths, packing, add_bos)
-    alignment = resolve_alignment(alignment, tokenizer, scored.folders[0].identity)
     return StudentData(PackedDataset(scored.shards, plan, tokenizer, alignment), scored, plan, alignment)
 
 
@@ -804,6 +816,7 @@ def _build_several(datasets: list[ScoredDataset], tokenizer, packing: PackingCon
     if alignment.combine == "weighted" and len(alignment.teacher_weights) != len(datasets):
         raise ConfigError(f"loss.teacher_weights has {len(alignment.teacher_weights)} weight(s) for {len(datasets)} "
                          f"teachers ({', '.join(teacher_names(datasets))}, in data.folders' order)")
+    alignments = [resolve_alignment(alignment, tokenizer, d.folders[0].identity) for d in datasets]
     match = match_teachers(datasets, missing=missing_documents, on_bad_shard=on_bad_shard)
     stream, lengths = measure_documents(match.stream, tokenizer, cache_dir, num_proc=num_proc,
                                         on_bad_shard=on_bad_shard)
@@ -815,7 +828,6 @@ def _build_several(datasets: list[ScoredDataset], tokenizer, packing: PackingCon
     plan = build_plan(lengths, packing, add_bos)
     left_out = sum(int((~keep).sum()) for keep in match.include if keep is not None) * packing.epochs
     plan = replace(plan, n_empty=plan.n_empty - left_out)
-    alignments = [resolve_alignment(alignment, tokenizer, d.folders[0].identity) for d in match.datasets]
     sources = TeacherSources.of(match, alignments, alignment)
     dataset = PackedDataset(stream.shards, plan, tokenizer, alignments[0], teachers=sources)
     log.info("%d teachers (%s), combined by %s", len(match.names), ", ".join(match.names), alignment.combine)

@@ -5,6 +5,8 @@ configuration is valid)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +17,8 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.export_student.config import export_job_config
+from pipeline.student_side import AlignmentConfig, resolve_alignment
+from pipeline.tokenization import load_tokenizer
 from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training, train_job_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,3 +119,26 @@ def test_a_hub_student_that_cannot_be_had_offline_is_one_line_before_any_work(ti
                            f"Hugging Face cache ({hub}) and HF_HUB_OFFLINE is set; ways out: a local folder or file "
                            "(student.tokenizer=/path/to/tokenizer)"), line
     assert not (tmp_path / "artifacts").exists() and not (tmp_path / "out").exists()
+
+
+def test_one_to_one_alignment_with_another_tokenizer_is_refused_before_the_data_is_counted(
+        micro_scored, micro_teacher, tiny_student, tmp_path):
+    """The tiny student's tokenizer is not the micro teacher's: one line saying one_to_one needs the
+    same tokenizer and what to use instead, before the token count (no length cache) or any run folder."""
+    from transformers import AutoTokenizer
+
+    result = cli("train_student", tmp_path, "student.embedded=false", f"student.model={tiny_student}",
+                 "student.seq_len=32", f"data.folders=[{micro_scored}]", f"data.cache_dir={tmp_path / 'lengths'}",
+                 "train.max_steps=4", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1",
+                 "train.progress=false", "loss.alignment=one_to_one")
+    identity = json.loads((micro_scored / "manifest.json").read_text())["identity"]["teacher"]
+    student = hashlib.sha256(AutoTokenizer.from_pretrained(tiny_student).backend_tokenizer.to_str().encode()).hexdigest()
+    assert refused(result) == (
+        "error: loss.alignment: one_to_one needs the same tokenizer for student and teacher (it pairs student token i "
+        f"with teacher token i), and these differ (the student's tokenizer sha256 {student[:12]}, teacher micro's "
+        f"{identity['tokenizer_sha256'][:12]}); use loss.alignment=token (the default: it aligns by character spans "
+        "across tokenizers, and is one-to-one by itself where they are the same) or loss.alignment=chunk\n")
+    assert not (tmp_path / "lengths").exists() and not (tmp_path / "out").exists()
+    # the teacher's own tokenizer: one_to_one as asked
+    same = resolve_alignment(AlignmentConfig(method="one_to_one"), load_tokenizer(str(micro_teacher)), {"teacher": identity})
+    assert same.method == "one_to_one"
