@@ -120,8 +120,8 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
     work = inputs.work
     if name == "alignment":
         return case.run(case_cfg, inputs.tokenizer(case_cfg.student), inputs.tokenizer(case_cfg.teacher))
-    if name == "stage1":
-        return case.run(case_cfg, work, inputs.tokenizer(case_cfg.teacher_tokenizer))
+    if name == "stage1":  # a model folder of its own brings its tokenizer
+        return case.run(case_cfg, work, None if case_cfg.model_dir else inputs.tokenizer(case_cfg.teacher_tokenizer))
     if name == "storage":
         return case.run(case_cfg, work, inputs.scored_dataset())
     if name in ("guided_loss", "threads"):
@@ -137,7 +137,8 @@ def run_case(name: str, case_cfg, inputs: Inputs) -> dict:
         return case.run(case_cfg, work, inputs.tokenizer(case_cfg.teacher_tokenizer),
                         inputs.tokenizer(case_cfg.student_tokenizer))
     if name == "vllm_backend":
-        return case.run(case_cfg, work, *inputs.tiny_teacher_and_corpus())
+        teacher, corpus = inputs.tiny_teacher_and_corpus()
+        return case.run(case_cfg, work, to_absolute_path(case_cfg.teacher) if case_cfg.teacher else teacher, corpus)
     if name == "served_teacher":
         from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher
 

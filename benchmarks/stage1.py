@@ -58,6 +58,8 @@ class Stage1BenchConfig:
     seed: int = 0
     teacher_tokenizer: str = "mistral"  # Mistral-7B's 32k SentencePiece (as Mistral-ProXMath)
     model: RandomModelShape = field(default_factory=RandomModelShape)
+    model_dir: str | None = None  # a model folder to time instead of the random model (a real teacher's,
+    # with its own tokenizer: the folder convert-teacher writes of SmolLM2-135M, window=2048 stride=1024)
     window: int = 512
     stride: int = 384
     max_batch_tokens: int = 16384
@@ -82,7 +84,11 @@ def run(cfg: Stage1BenchConfig, work_dir: str | os.PathLike, tokenizer) -> dict:
     from benchmarks.inputs import model_parameters, random_causal_lm, sample_corpus
 
     work = Path(work_dir) / "stage1"
-    model_dir = random_causal_lm(work / f"teacher-{_shape_slug(cfg.model)}-{cfg.teacher_tokenizer}", cfg.model, tokenizer)
+    if cfg.model_dir:
+        model_dir = Path(cfg.model_dir).resolve()
+    else:
+        model_dir = random_causal_lm(work / f"teacher-{_shape_slug(cfg.model)}-{cfg.teacher_tokenizer}", cfg.model,
+                                     tokenizer)
     corpus = sample_corpus(work, cfg.n_docs, cfg.seed)
     forward = _BareForward(cfg, model_dir, corpus)
     out_dir = work / "scored"
@@ -124,8 +130,10 @@ def run(cfg: Stage1BenchConfig, work_dir: str | os.PathLike, tokenizer) -> dict:
                                                 [info["steady_cpu_tree_s"] for info in job_info])
     startup = [j - s for j, s in zip(samples["job"].wall, _in_job_work(job_info, forward))]
     result = {
-        "teacher": {"parameters": model_parameters(model_dir), "spec": asdict(cfg.model),
-                    "tokenizer": cfg.teacher_tokenizer, "window": cfg.window, "stride": cfg.stride},
+        "teacher": {"parameters": model_parameters(model_dir),
+                    **({"model_dir": str(model_dir)} if cfg.model_dir else
+                       {"spec": asdict(cfg.model), "tokenizer": cfg.teacher_tokenizer}),
+                    "window": cfg.window, "stride": cfg.stride},
         "corpus": {"documents": cfg.n_docs, "shards": len(forward.shards), "teacher_tokens": tokens,
                    "windows": forward.n_windows, "padded_tokens": forward.padded_tokens},
         "samples": {k: v.to_dict() for k, v in samples.items()},
@@ -156,8 +164,10 @@ def _figure(cfg: Stage1BenchConfig, r: dict) -> dict:
     p = r["teacher"]["parameters"]
     value = steady["cpu_tree"]["median"] if steady else None
     tokens = r["corpus"]["teacher_tokens"]
-    note = (f"{p['total'] / 1e6:.0f}M-param random Llama teacher ({cfg.teacher_tokenizer} 32k vocab, "
-            f"{cfg.model.num_layers}x{cfg.model.hidden_size}), {r['corpus']['documents']} docs, {tokens:,} teacher "
+    teacher = (f"{p['total'] / 1e6:.0f}M-param teacher {Path(cfg.model_dir).name}" if cfg.model_dir else
+               f"{p['total'] / 1e6:.0f}M-param random Llama teacher ({cfg.teacher_tokenizer} 32k vocab, "
+               f"{cfg.model.num_layers}x{cfg.model.hidden_size})")
+    note = (f"{teacher}, window {cfg.window} stride {cfg.stride}, {r['corpus']['documents']} docs, {tokens:,} teacher "
             f"tokens, {r['corpus']['shards']} shards, 1 Ray actor x {cfg.num_cpus} CPUs vs {cfg.num_cpus} torch "
             f"threads in-process; bare forward {r['tokens_per_s']['forward']:,.0f} tokens/s (wall). ")
     if steady:

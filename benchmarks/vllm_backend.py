@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class VLLMBackendBenchConfig:
     python: str = ".venv-vllm/bin/python"  # vLLM's environment (make setup-vllm); missing: skipped
+    teacher: str | None = None  # a model folder to run instead of the embedded tiny teacher (a real one:
+    # the folder convert-teacher writes of SmolLM2-135M, with window=2048 stride=1024)
     n_docs: int = 40  # documents of the sample corpus
     window: int = 511  # what vLLM takes from the tiny teacher's 512 positions
     stride: int = 384
