@@ -142,7 +142,7 @@ def exit_on_user_error(fn):
                                                        and not isinstance(exc, USER_ERRORS)):
                 raise
             if store is None:
-                print(f"error: {storage or exc}", file=sys.stderr)
+                print(f"error: {storage or raised_message(exc)}", file=sys.stderr)
                 sys.exit(2)
             mode, attempts = sfs.retry_settings()
             print(f"error: the object store did not answer within {attempts} attempts per request (AWS_MAX_ATTEMPTS, "
@@ -156,6 +156,18 @@ def exit_on_user_error(fn):
             sys.exit(INTERRUPTED[signum])
 
     return wrapper
+
+
+def raised_message(exc: BaseException) -> str:
+    """The message of ``exc`` as it was raised: a data-loader worker's error reaches the training
+    process re-raised by torch, its message then ``Caught <type> in DataLoader worker process <n>``
+    and the worker's whole traceback, which ends with the original message."""
+    text = str(exc)
+    cls = type(exc)
+    raised_as = f"{cls.__module__}.{cls.__qualname__}: "
+    if text.startswith(f"Caught {cls.__name__} in DataLoader worker") and raised_as in text:
+        return text.rsplit(raised_as, 1)[1].strip()
+    return text
 
 
 def with_problems(extra: list[str], make: Callable[[], T]) -> T:

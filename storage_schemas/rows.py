@@ -4,7 +4,8 @@
 with NumPy over the flat list values, so memory stays one table's columns: ``doc_id`` non-empty,
 ``text`` present, the four lists of equal length, every span inside the text with starts
 non-decreasing, text slices non-empty except for special tokens, token ids inside the vocabulary
-when it is known, losses finite or NaN and not negative. Warnings (legal, worth a look): a NaN loss
+when it is known, losses finite or NaN, not negative and at most :data:`MAX_LOSS`
+(:func:`impossible_losses`, which every reader of rows applies too). Warnings (legal, worth a look): a NaN loss
 past the first token, and the first token's loss disagreeing with whether a BOS preceded it.
 """
 
@@ -22,6 +23,16 @@ from storage_schemas.schema import LIST_COLUMNS
 ERROR = "error"
 WARNING = "warning"
 NEGATIVE_LOSS_TOLERANCE = -1e-4  # -log p >= 0; allow float rounding just below zero
+# -log p of a float32 probability stops at ~104 nats (the smallest subnormal), of a float64 one at
+# ~745: a stored loss above this is damage (a changed byte, a bad write), never a teacher's.
+MAX_LOSS = 1e4
+
+
+def impossible_losses(losses: np.ndarray) -> np.ndarray:
+    """Where ``losses`` cannot be a teacher's ``-log p``: infinite, negative (beyond rounding) or
+    above :data:`MAX_LOSS` nats. NaN is a loss the contract allows (nothing predicted the token)."""
+    with np.errstate(invalid="ignore"):  # NaN compares false; -inf and inf fall outside the range
+        return (losses < NEGATIVE_LOSS_TOLERANCE) | (losses > MAX_LOSS)
 
 
 def list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
@@ -120,6 +131,8 @@ def table_problems(table: pa.Table | pa.RecordBatch, rules: RowRules = RowRules(
             (ERROR, "infinite loss (NaN is allowed, inf is not)", np.isinf(losses)),
             (ERROR, "negative loss (-log p cannot be negative)",
              (losses < NEGATIVE_LOSS_TOLERANCE) & np.isfinite(losses)),  # -inf: reported as infinite
+            (ERROR, f"loss above {MAX_LOSS:g} nats (no teacher's -log p: a damaged value)",
+             (losses > MAX_LOSS) & np.isfinite(losses)),
             (ERROR, "token id outside the teacher vocabulary",
              (ids < 0) | (ids >= (rules.vocab_size or np.iinfo(np.int64).max))),
             (WARNING, "NaN loss past the first token (every later token has left context)", later & np.isnan(losses)),

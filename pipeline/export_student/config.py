@@ -54,7 +54,7 @@ class DataConfig:
 
     folders: list[str]  # scored dataset folders (stage-1 output); several teachers: loss.combine
     on_bad_shard: str = "error"  # error | skip
-    verify: str = "size"  # size | sha256
+    verify: str = "sha256"  # sha256: each shard's bytes against its recorded sha256 on opening (one more read) | size
     allow_partial: bool = False  # export the finished shards of an incomplete scoring
     allow_rehearsal: bool = False  # export a rehearsal's scores (scorer.backend=rehearsal: no model's losses)
     cache_dir: str | None = None  # student token counts per (tokenizer, shard), shared with stage 2
