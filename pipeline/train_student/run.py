@@ -95,7 +95,7 @@ from pipeline.train_student.continuation import (
 )
 from pipeline.train_student.schedule import SCHEDULES, schedule_callbacks, schedule_problems, scheduler_arguments
 from pipeline.train_student.several_teachers import TeacherMetrics
-from pipeline.train_student.trackers import tracker_callbacks, tracker_problems
+from pipeline.train_student.trackers import guard_tracker_start, tracker_callbacks, tracker_problems
 from pipeline.train_student.trainer import (
     CheckpointRecordCallback,
     GuidedTrainer,
@@ -872,7 +872,7 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
 
 def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks, held_out=None,
              on_checkpoint=None):
-    return GuidedTrainer(
+    trainer = GuidedTrainer(
         model=model,
         args=args,
         train_dataset=data.dataset,
@@ -889,6 +889,8 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
         guard=guard,
         teacher_metrics=_teacher_metrics(job, data),
     )
+    guard_tracker_start(trainer.callback_handler.callbacks)  # one line, before the first step, if one cannot start
+    return trainer
 
 
 def _teacher_metrics(job: TrainJobConfig, data: StudentData):

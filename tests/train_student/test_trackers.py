@@ -9,8 +9,11 @@ metrics included. The tests skip where the ``trackers`` extra is not installed (
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import math
+import os
+import socket
 import struct
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +24,9 @@ from pipeline.config import ConfigError
 from pipeline.student_side import AlignmentConfig
 from pipeline.train_student.mixture import MixtureCorpus
 from pipeline.train_student.run import TrainConfig, run_training
+from pipeline.train_student.trackers import MLFLOW_FILE_STORE
 from test_multi_teacher import rewrite
+from test_one_line_errors import REPO, cli, refused
 from test_train_student import make_job, metrics
 
 SELECTION = ("loss_kept", "loss_all", "kept_fraction", "mapped_fraction", "teacher_loss_kept", "teacher_loss_dropped",
@@ -141,3 +146,73 @@ def test_unknown_or_missing_trackers_are_named_before_any_work(monkeypatch):
         "dagshub, dvclive, flyte, kubeflow, mlflow, neptune, swanlab, tensorboard, trackio, wandb); did you mean wandb?",
         "train.report_to: wandb is not installed (pip install 'vocagno[trackers]')",
         "train.report_to: mlflow is not installed (pip install 'vocagno[trackers]')"]
+
+
+def stage2(student: Path, scored: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """A short run through the command line (the run folder is ``tmp_path / 'out'``)."""
+    return ["student.embedded=false", f"student.model={student}", "student.seq_len=32", f"data.folders=[{scored}]",
+            f"data.cache_dir={tmp_path / 'lengths'}", "data.held_out_shards=0", "train.eval_every=null",
+            "train.max_steps=3", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1",
+            "train.logging_steps=1", "train.save_steps=2", "train.use_cpu=true", "train.cpu_threads=1",
+            "train.progress=false", *extra]
+
+
+def forget_mlflow_settings(monkeypatch) -> None:
+    """MLflow's own defaults for the commands: no MLFLOW_ variable (an earlier MLflow run in this
+    process sets MLFLOW_EXPERIMENT_ID)."""
+    for name in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        monkeypatch.delenv(name)
+
+
+def test_mlflow_with_its_defaults_is_refused_with_the_line_that_makes_it_work(tiny_student, micro_scored, tmp_path,
+                                                                                monkeypatch):
+    """MLflow's default store (``sqlite:///mlflow.db``) cannot be opened by mlflow-skinny: one line,
+    exit 2, before any work (no run folder, no length cache, no mlflow.db); the line it gives works."""
+    pytest.importorskip("mlflow", reason="the trackers extra is not installed (pip install 'vocagno[trackers]')")
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        pytest.skip("the full mlflow package is installed: its default store opens")
+    forget_mlflow_settings(monkeypatch)
+    assert not (REPO / "mlflow.db").exists()
+    line = refused(cli("train_student", tmp_path, *stage2(tiny_student, micro_scored, tmp_path, "train.report_to=[mlflow]")),
+                   f"mlflow cannot open its tracking store sqlite:///{REPO}/mlflow.db (a database, MLflow's default "
+                   "with MLFLOW_TRACKING_URI unset, which mlflow-skinny (the trackers extra) cannot open")
+    assert line.count("\n") == 1 and line.startswith("error: train.report_to: ") and MLFLOW_FILE_STORE in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "lengths").exists()
+    assert not (REPO / "mlflow.db").exists() and not (REPO / "mlruns").exists()
+
+    # the line's setting, with $PWD the folder the command runs in (here, for the test, tmp_path)
+    store = {name: value.replace("$PWD", str(tmp_path)) for name, value in
+             (pair.split("=", 1) for pair in MLFLOW_FILE_STORE.split())}
+    done = cli("train_student", tmp_path, *stage2(tiny_student, micro_scored, tmp_path, "train.report_to=[mlflow]"),
+               env=store)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=store["MLFLOW_TRACKING_URI"])
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.run_name == "out" and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss_kept")] == [1, 2, 3]
+
+
+def test_a_tracker_that_does_not_start_ends_the_run_in_one_line_before_its_first_step(tiny_student, micro_scored,
+                                                                                       tmp_path, monkeypatch):
+    """An MLflow server that does not answer (the store opens: it is only asked once training
+    begins): one line naming the tracker and what sets it up, exit 2; no step trained, no
+    checkpoint, no final model."""
+    pytest.importorskip("mlflow", reason="the trackers extra is not installed (pip install 'vocagno[trackers]')")
+    forget_mlflow_settings(monkeypatch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+           "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    result = cli("train_student", tmp_path, *stage2(tiny_student, micro_scored, tmp_path, "train.report_to=[mlflow]"),
+                 env=env)
+    line = refused(result, "error: train.report_to: mlflow did not start (", f"127.0.0.1:{port}",
+                   "nothing was trained. Set it up (MLFLOW_TRACKING_URI (a server, http://<host>:5000, or local files: "
+                   f"{MLFLOW_FILE_STORE})), or leave it out of train.report_to")
+    assert line.count("\n") == 1, line
+    out = tmp_path / "out"
+    assert not metrics(out) if (out / "metrics.jsonl").exists() else True
+    assert not list(out.glob("checkpoint-*")) and not (out / "final").exists()
