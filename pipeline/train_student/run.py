@@ -23,6 +23,8 @@ world size) or ``gradient_accumulation_steps``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import math
 import os
@@ -95,7 +97,7 @@ from pipeline.train_student.continuation import (
 )
 from pipeline.train_student.schedule import SCHEDULES, schedule_callbacks, schedule_problems, scheduler_arguments
 from pipeline.train_student.several_teachers import TeacherMetrics
-from pipeline.train_student.trackers import guard_tracker_start, tracker_callbacks, tracker_problems
+from pipeline.train_student.trackers import start_trackers, tracker_callbacks, tracker_problems
 from pipeline.train_student.trainer import (
     CheckpointRecordCallback,
     GuidedTrainer,
@@ -889,8 +891,77 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
         guard=guard,
         teacher_metrics=_teacher_metrics(job, data),
     )
-    guard_tracker_start(trainer.callback_handler.callbacks)  # one line, before the first step, if one cannot start
+    start_trackers(trainer, tracker_recipe(job, identity))  # one line if one cannot start; then the recipe
     return trainer
+
+
+def tracker_recipe(job: TrainJobConfig, identity: dict) -> dict[str, str]:
+    """The recipe as the trackers receive it (:class:`pipeline.train_student.trackers.RecipeToTrackers`),
+    flat ``recipe.*`` names and strings: the loss and its selection, each teacher's alignment as
+    resolved, the teachers, the scored folders (or export) and a short digest of each folder's
+    dataset identity, the mixture's weights, the student and its tokenizer, and ``recipe.data.digest``,
+    a short digest of the run's whole data identity without paths (runs on the same data share it,
+    wherever the data was)."""
+    s, a, d = job.selection, job.alignment, job.data
+    teachers = [t for part in _data_parts(identity) for t in part[1]]
+    recipe = {"loss.mode": s.mode, "loss.ratio": s.ratio, "loss.rank_over": s.rank_over, "loss.unmapped": s.unmapped,
+              "loss.alignment": ",".join(t["alignment"]["method"] for t in teachers),
+              "loss.aggregate": ",".join(t["alignment"]["aggregate"] for t in teachers),
+              "loss.n_chunks": ",".join(str(t["alignment"]["n_chunks"]) for t in teachers),
+              "teachers": ",".join(dict.fromkeys(t["name"] for t in teachers)),
+              "data.identity": ",".join(f"{where}{t['name']}:{'+'.join(t['digests'])}"
+                                        for where, ts in _data_parts(identity) for t in ts),
+              "data.digest": _digest(_without_paths(identity)),
+              "data.held_out_shards": d.held_out_shards, "data.seed": d.seed, "data.epochs": d.epochs,
+              "student.model": job.student.model, "student.tokenizer": job.student.tokenizer or job.student.model,
+              "student.tokenizer_sha256": _tokenizer_sha256(identity)[:12], "student.seq_len": job.student.seq_len}
+    if len(teachers) > 1 and not d.mixture:
+        recipe.update({"loss.combine": a.combine, "loss.teacher_weights": ",".join(map(str, a.teacher_weights or []))})
+    if d.folders and not d.mixture:
+        recipe["data.folders"] = ",".join(d.folders)
+    if d.export:
+        recipe["data.export"] = d.export
+    for c in d.mixture or []:
+        recipe[f"data.mixture.{c.name}.weight"] = c.weight
+        recipe[f"data.mixture.{c.name}.source"] = c.export or ",".join(c.folders)
+    return {f"recipe.{k}": str(v) for k, v in recipe.items()}
+
+
+def _data_parts(identity: dict) -> list[tuple[str, list[dict]]]:
+    """``(where, teachers)`` of a data identity: one entry, or one per corpus of a mixture (``where``
+    then ``<corpus>/``); each teacher its name, resolved alignment and its folders' identity digests."""
+    if "mixture" in identity:
+        return [(f"{c['name']}/", teachers) for c in identity["mixture"]["corpora"]
+                for _, teachers in _data_parts(c["data"])]
+    inner = identity.get("export") or identity
+    several = inner.get("teachers")
+    if not several:  # one teacher, read from its folders
+        several = [{"teacher": inner["teacher"], "folders": inner["folders"], "alignment": inner["alignment"]}]
+    return [("", [{"name": str(((t.get("teacher") or {}).get("teacher") or {}).get("name", "?")),
+                   "alignment": t["alignment"],
+                   "digests": [_digest(f.get("identity")) for f in t.get("folders") or []]} for t in several])]
+
+
+def _tokenizer_sha256(identity: dict) -> str:
+    if "mixture" in identity:
+        return _tokenizer_sha256(identity["mixture"]["corpora"][0]["data"])
+    if "export" in identity:
+        return str((identity["export"].get("student") or {}).get("tokenizer_sha256", ""))
+    return str(identity.get("student_tokenizer_sha256", ""))
+
+
+def _without_paths(value):
+    """A data identity without where things were (folder paths, the manifest's sha256), as
+    :func:`storage_schemas.reader.data_identity_differences` compares it."""
+    if isinstance(value, dict):
+        return {k: _without_paths(v) for k, v in value.items() if k not in ("path", "manifest_sha256")}
+    if isinstance(value, list):
+        return [_without_paths(v) for v in value]
+    return value
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _teacher_metrics(job: TrainJobConfig, data: StudentData):

@@ -4,7 +4,8 @@
 (:class:`pipeline.train_student.trainer.GuidedTrainer`). Each integration is configured as its
 project documents it, by environment (``WANDB_PROJECT``, ``WANDB_MODE=offline``,
 ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``, ...); the tracker's run is named after the run
-folder, and it ends with the training (:class:`FinishWandbRun`). W&B and MLflow come with the
+folder, it ends with the training (:class:`FinishWandbRun`), and it receives the run's recipe
+beside the Trainer's parameters (:class:`RecipeToTrackers`). W&B and MLflow come with the
 ``trackers`` extra.
 
 :func:`tracker_problems` checks the names before any work: an integration the Trainer does not
@@ -137,3 +138,36 @@ def tracker_callbacks(report_to: Sequence[str]) -> list[TrainerCallback]:
     """What the run adds to the Trainer's own integrations for ``report_to``."""
     uses_wandb = "wandb" in report_to or (list(report_to) == ["all"] and "wandb" in get_available_reporting_integrations())
     return [FinishWandbRun()] if uses_wandb else []
+
+
+class RecipeToTrackers(TrainerCallback):
+    """Gives each started tracker the run's recipe (``params``: flat ``recipe.*`` names and
+    strings, :func:`pipeline.train_student.run.tracker_recipe`), so that runs can be filtered by
+    it: MLflow's params, W&B's config, a TensorBoard text. It runs after the integrations' own
+    start (they come first in the Trainer's callbacks), on the main process; other integrations
+    get the Trainer's parameters only."""
+
+    def __init__(self, params: dict[str, str], callbacks: Sequence[TrainerCallback]):
+        self.params = dict(params)
+        self.callbacks = callbacks
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        for callback in self.callbacks:
+            kind = type(callback).__name__
+            if kind == "MLflowCallback" and getattr(callback, "_initialized", False) and callback._ml_flow.active_run():
+                limit = getattr(callback, "_MAX_PARAM_VAL_LENGTH", 6000)
+                callback._ml_flow.log_params({k: v[:limit] for k, v in self.params.items()})
+            elif kind == "WandbCallback" and getattr(callback, "_wandb", None) is not None and callback._wandb.run:
+                callback._wandb.config.update(self.params, allow_val_change=True)
+            elif kind == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
+                callback.tb_writer.add_text("recipe", "\n".join(f"    {k}: {v}" for k, v in self.params.items()))
+
+
+def start_trackers(trainer, recipe: dict[str, str]) -> None:
+    """What a run adds to its trackers' start: one line if one cannot start
+    (:func:`guard_tracker_start`), then the recipe (:class:`RecipeToTrackers`)."""
+    callbacks = trainer.callback_handler.callbacks
+    guard_tracker_start(callbacks)
+    trainer.add_callback(RecipeToTrackers(recipe, list(callbacks)))

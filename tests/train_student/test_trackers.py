@@ -9,6 +9,7 @@ metrics included. The tests skip where the ``trackers`` extra is not installed (
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import math
@@ -216,3 +217,50 @@ def test_a_tracker_that_does_not_start_ends_the_run_in_one_line_before_its_first
     out = tmp_path / "out"
     assert not metrics(out) if (out / "metrics.jsonl").exists() else True
     assert not list(out.glob("checkpoint-*")) and not (out / "final").exists()
+
+
+def test_the_recipe_reaches_the_tracker(tiny_student, micro_scored, tmp_path, monkeypatch):
+    """Through the command line, two teachers, MLflow's file store: the run's params hold the
+    recipe (loss and selection, each teacher's alignment as resolved, the teachers, the scored
+    folders and a digest of each one's dataset identity, the student's tokenizer), so runs can be
+    filtered by it; the values are read back and compared with the manifests and the tokenizer."""
+    pytest.importorskip("mlflow", reason="the trackers extra is not installed (pip install 'vocagno[trackers]')")
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoTokenizer
+
+    forget_mlflow_settings(monkeypatch)
+    other = rewrite(micro_scored, tmp_path / "b", "micro-b", lambda d: replace(d, losses=d.losses[::-1].copy()))
+    store = {"MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}", "MLFLOW_ALLOW_FILE_STORE": "true"}
+    args = stage2(tiny_student, micro_scored, tmp_path, "train.report_to=[mlflow]", "loss.ratio=0.3",
+                  "loss.combine=mean", "loss.aggregate=mean")
+    args[args.index(f"data.folders=[{micro_scored}]")] = f"data.folders=[{micro_scored},{other}]"
+    done = cli("train_student", tmp_path, *args, env=store)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    for name, value in store.items():
+        monkeypatch.setenv(name, value)
+    client = MlflowClient(tracking_uri=store["MLFLOW_TRACKING_URI"])
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    params = run.data.params
+
+    def digest(folder: Path) -> str:
+        identity = json.loads((folder / "manifest.json").read_text())["identity"]
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_student).backend_tokenizer.to_str()
+    expected = {
+        "recipe.loss.mode": "guided", "recipe.loss.ratio": "0.3", "recipe.loss.rank_over": "batch",
+        "recipe.loss.unmapped": "include",
+        "recipe.loss.alignment": "token,token",  # the student's tokenizer is not the teacher's
+        "recipe.loss.aggregate": "mean,mean", "recipe.loss.combine": "mean",
+        "recipe.teachers": "micro,micro-b",
+        "recipe.data.folders": f"{micro_scored},{other}",
+        "recipe.data.identity": f"micro:{digest(micro_scored)},micro-b:{digest(other)}",
+        "recipe.data.held_out_shards": "0",
+        "recipe.student.tokenizer": str(tiny_student),
+        "recipe.student.tokenizer_sha256": hashlib.sha256(tokenizer.encode()).hexdigest()[:12],
+        "recipe.student.seq_len": "32",
+    }
+    assert {k: params.get(k) for k in expected} == expected
+    assert len(params["recipe.data.digest"]) == 12
+    assert params["learning_rate"]  # beside the Trainer's own parameters
