@@ -70,11 +70,11 @@ def mlflow_store_problem() -> str | None:
     MLflow would create it); a store MLflow
     refuses (a database without sqlalchemy, which mlflow-skinny lacks; a file store without
     ``MLFLOW_ALLOW_FILE_STORE``) is named with the line that gives it one that opens."""
-    import mlflow
+    import mlflow  # optional (the trackers extra), and heavy: only where report_to names it
 
     uri = mlflow.get_tracking_uri()
     try:
-        from mlflow.tracking._tracking_service.utils import _get_store
+        from mlflow.tracking._tracking_service.utils import _get_store  # as mlflow above; MLflow's own opener
     except ImportError:  # another MLflow's layout: the start is still guarded (guard_tracker_start)
         return None
     try:
