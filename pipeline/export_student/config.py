@@ -65,9 +65,11 @@ class DataConfig:
     add_eos: bool = True
     length_workers: int = 1  # processes for the one-off token count
     missing_documents: str = "refuse"  # several teachers: refuse | unmapped
+    held_out_shards: int = 0  # the last N planned shards of the first folder are left out, as stage 2 leaves them
 
     def problems(self) -> list[str]:
         found: list[str] = []
+        check_at_least(found, "held_out_shards", self.held_out_shards, 0)
         check_choice(found, "on_bad_shard", self.on_bad_shard, ON_BAD_SHARD)
         check_choice(found, "verify", self.verify, VERIFY)
         check_choice(found, "missing_documents", self.missing_documents, MISSING_RULES)

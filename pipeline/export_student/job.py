@@ -33,6 +33,7 @@ from pipeline.export_student.formats import LITDATA_INDEX, LITDATA_SUFFIX, shard
 from pipeline.export_student.rows import Row, RowSource, row_schema, rows_table
 from pipeline.export_folder import EXPORT_VERSION, EXPORT_VERSION_KEY
 from pipeline.folder_lock import exclusive_writer
+from pipeline.held_out_shards import held_out_record, hold_out
 from pipeline.model_source import model_positions, refuse_seq_len
 from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version
@@ -125,6 +126,7 @@ def prepare_data(job: ExportJobConfig, tokenizer) -> StudentData:
     d = job.data
     scored = open_teachers(d.folders, on_bad_shard=d.on_bad_shard, verify=d.verify, allow_partial=d.allow_partial)
     warn_rehearsal(refuse_rehearsal(scored, d.allow_rehearsal))
+    scored = hold_out(scored, d.held_out_shards)
     packing = PackingConfig(seq_len=job.student.seq_len, seed=d.seed, shuffle=d.shuffle, epochs=d.epochs,
                             add_bos=d.add_bos, add_eos=d.add_eos)
     return build_student_data(scored, tokenizer, packing, job.alignment, cache_dir=d.cache_dir,
@@ -162,6 +164,9 @@ def export_identity(job: ExportJobConfig, data: StudentData, tokenizer, n_rows: 
         sources = data.dataset.teachers
         identity["combine"] = {"how": sources.combine, "weights": sources.weights,
                                "missing_documents": data.teachers.missing_rule}
+    if job.data.held_out_shards:  # only then: an export that holds nothing out keeps its identity
+        identity["held_out_shards"] = job.data.held_out_shards
+        identity["shards_held_out"] = held_out_record(data.scored.folders[0], job.data.held_out_shards)
     return identity
 
 

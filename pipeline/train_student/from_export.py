@@ -11,8 +11,8 @@ compares what the export's identity records with what the run would compute (:fu
 the student tokenizer (by sha256), ``student.seq_len``, the order and packing (``data.seed``,
 ``shuffle``, ``epochs``, ``add_bos``, ``add_eos``), each teacher's alignment (``loss.alignment``,
 ``aggregate``, ``n_chunks``, resolved as stage 2 resolves them), the combination of several
-teachers, and, when ``data.folders`` are given, the teachers and scored shards themselves (by
-identity and sha256). Any difference refuses the export, naming each one. The export must be
+teachers, ``data.held_out_shards``, and, when ``data.folders`` are given, the teachers and scored
+shards themselves (by identity and sha256) and the shards held out. Any difference refuses the export, naming each one. The export must be
 complete and packed; its shards are checked against the manifest (size, or sha256 with
 ``data.verify=sha256``) before training, and each row's ``sample_index`` when it is read.
 """
@@ -31,11 +31,13 @@ import torch
 
 from pipeline.config import UserError
 from pipeline.export_folder import EXPORT_VERSION, EXPORT_VERSION_KEY, teacher_loss_column
+from pipeline.held_out_shards import held_out_record, hold_out
 from pipeline.several_teachers import open_teachers, unique_names
 from pipeline.student_side import AlignmentConfig, PackedDataset, StudentDataError, Window, resolve_alignment, teacher_identity
 from pipeline.tokenization import bos_token_id, fingerprint
 from storage_schemas import MANIFEST_NAME
 from storage_schemas import filesystem as sfs
+from storage_schemas.reader import ScoredDataset
 
 log = logging.getLogger(__name__)
 
@@ -240,15 +242,21 @@ def setting_differences(identity: dict, tokenizer, seq_len: int, data, alignment
         differ("loss.combine", combine.get("how"), alignment.combine)
         differ("loss.teacher_weights", combine.get("weights"), weights)
         differ("data.missing_documents", combine.get("missing_documents"), data.missing_documents)
+    differ("data.held_out_shards", identity.get("held_out_shards", 0), data.held_out_shards)
     if data.folders:
         found += teacher_differences(teachers, data)
+        if data.held_out_shards and identity.get("held_out_shards") == data.held_out_shards:
+            held = held_out_record(ScoredDataset.open(data.folders[0]).folders[0], data.held_out_shards)
+            if identity.get("shards_held_out") != held:
+                found.append("data.held_out_shards: the shards the export held out are not those of data.folders' "
+                             "first folder (the scoring changed since the export, or another corpus)")
     return found
 
 
 def teacher_differences(exported: list[dict], data) -> list[str]:
     """How the teachers and scored shards the export was made from differ from ``data.folders``'."""
-    opened = open_teachers(data.folders, on_bad_shard=data.on_bad_shard, verify=data.verify,
-                           allow_partial=data.allow_partial)
+    opened = hold_out(open_teachers(data.folders, on_bad_shard=data.on_bad_shard, verify=data.verify,
+                                    allow_partial=data.allow_partial), data.held_out_shards)
     names = [[str(((t.get("teacher") or {}).get("teacher") or {}).get("name", "?")) for t in exported],
              [str((d.teacher.get("teacher") or {}).get("name", "?")) for d in opened]]
     if len(opened) != len(exported) or names[0] != names[1]:
@@ -273,7 +281,7 @@ class ExportData:
     folder: str
     identity_record: dict  # the export's identity
     alignment: AlignmentConfig  # the first teacher's, as exported
-    scored = None  # no scored folder is read (data.held_out_shards needs them)
+    scored = None  # no scored folder is read (the held-out text of data.held_out_shards is read from data.folders)
 
     @property
     def plan(self) -> ExportPlan:
@@ -282,7 +290,8 @@ class ExportData:
     def identity(self, tokenizer_sha256: str, packing) -> dict:
         """The run's data identity: what the export holds (its scored data, student tokenizer,
         alignment, combination, packing and rows), never where it is or in which formats."""
-        keep = ("teachers", "combine", "student", "packing", "rows")
+        keep = ["teachers", "combine", "student", "packing", "rows"]
+        keep += [k for k in ("held_out_shards", "shards_held_out") if k in self.identity_record]  # only if held out
         return {"export": {k: self.identity_record.get(k) for k in keep}}
 
     def teacher_keys(self) -> list:

@@ -47,6 +47,7 @@ from pipeline.config import (
 )
 from pipeline.cpu_threads import threads_for, torch_threads
 from pipeline.folder_lock import exclusive_writer
+from pipeline.held_out_shards import held_out_entries, held_out_record, hold_out
 from pipeline.guided_loss import SelectionConfig
 from pipeline.model_source import (
     TeacherSourceError,
@@ -183,10 +184,6 @@ def source_problems(d: DataConfig) -> list[str]:
         found += mixture_problems(d.mixture)
         if d.export:
             found.append("export: give an export inside data.mixture (data.mixture[i].export), not beside it")
-    if (d.export or (d.mixture and d.mixture[0].export)) and d.held_out_shards:
-        found.append("held_out_shards: an export holds every shard it was made from; hold shards out with "
-                     "data.folders, or set data.held_out_shards=0 (the embedded recipe holds one out) and evaluate "
-                     "on text files (train.eval_texts=[...]) or not at all (train.eval_every=null)")
     return found
 
 
@@ -537,7 +534,7 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
         setattr(args, key, value)
     data.dataset.end = args.max_steps * job.train.micro_batch_size * world_size * accumulation  # samples trained
     identity = data.identity(fingerprint(tokenizer), _packing(job))
-    if job.data.held_out_shards:  # only then: the identity of every other run stays as it was
+    if job.data.held_out_shards and data.scored is not None:  # only then: every other identity stays as it was
         identity["shards_held_out"] = held_out_record(data.scored.folders[0], job.data.held_out_shards)
     held_out = held_out_texts(job, data)
 
@@ -655,7 +652,7 @@ def held_out_texts(job: TrainJobConfig, data: StudentData) -> list[str] | None:
         texts = [text for path in t.eval_texts for text in text_file_documents(path) if text]
         where = f"train.eval_texts ({', '.join(t.eval_texts)})"
     else:
-        folder = data.scored.folders[0]
+        folder = held_out_folder(job, data)
         files = [e["file"] for e in held_out_entries(folder, job.data.held_out_shards)]
         texts = shard_documents(ScoredDataset.open(folder.path), files, t.eval_max_documents)
         where = f"the held-out shards of {folder.path} ({', '.join(files)})"
@@ -664,34 +661,18 @@ def held_out_texts(job: TrainJobConfig, data: StudentData) -> list[str] | None:
     return texts[: t.eval_max_documents]
 
 
-def held_out_entries(folder: ScoredFolder, n: int) -> list[dict]:
-    """The manifest entries of the shards ``data.held_out_shards=n`` holds out: those of ``folder``
-    (the first of ``data.folders``) whose index is among its last ``n`` planned, so the choice does
-    not move while a partial scoring finishes."""
-    first = folder.n_shards_planned - n
-    return [e for e in folder.manifest.get("shards", []) if int(e.get("index", -1)) >= first]
-
-
-def held_out_record(folder: ScoredFolder, n: int) -> list[dict]:
-    """The data identity's ``shards_held_out``, in the form of its ``shards_used``."""
-    return [{"file": e["file"], "folder": 0, "sha256": e.get("sha256", ""), "rows": int(e.get("rows", 0))}
-            for e in held_out_entries(folder, n)]
-
-
-def hold_out(scored: list[ScoredDataset], n: int) -> list[ScoredDataset]:
-    """The opened teachers without the shards ``data.held_out_shards=n`` holds out (one teacher only)."""
-    if n == 0:
-        return scored
-    folder = scored[0].folders[0]
-    if len(scored) > 1:
-        raise ConfigError(f"data.held_out_shards: {n} with several teachers; hold shards out with one teacher "
-                          "(or leave held-out documents out of every teacher's corpus)")
-    held = {e["file"] for e in held_out_entries(folder, n)}
-    kept = [s for s in scored[0].shards if not (s.folder == 0 and sfs.name(s.path) in held)]
-    if not kept:
-        raise ConfigError(f"data.held_out_shards: {n} of the {folder.n_shards_planned} planned shards of {folder.path} "
-                          "leaves none to train on; hold out fewer")
-    return [replace(scored[0], shards=kept)]
+def held_out_folder(job: TrainJobConfig, data) -> ScoredFolder:
+    """The scored folder whose last ``data.held_out_shards`` shards are held out: the first the run
+    reads, or for an export (which holds them out too, and records them) the first of
+    ``data.folders`` (of the first corpus of a mixture), whose held-out shards it must equal."""
+    if data.scored is not None:
+        return data.scored.folders[0]
+    folders = job.data.mixture[0].folders if job.data.mixture else job.data.folders
+    if not folders:
+        raise ConfigError("train.eval_every: the held-out text of an export is read from its scored folders; give "
+                          "them (data.folders=[...], as the export's), evaluate on text files (train.eval_texts=[...]) "
+                          "or not at all (train.eval_every=null)")
+    return ScoredDataset.open(folders[0]).folders[0]
 
 
 def _packing(job: TrainJobConfig) -> PackingConfig:

@@ -1,7 +1,9 @@
 """``data.held_out_shards``: stage 2 never trains on the last N planned shards of its first scored
 folder and records them in the run's data identity (``shards_held_out``); ``make eval-student``
 with ``bits_per_byte.scored`` then measures exactly those shards, and refuses shards the run
-trained on. A default run's identity and recipe are as they were before the setting existed."""
+trained on. A default run's identity and recipe are as they were before the setting existed.
+Several teachers hold the same shards out of each; an export holds them out as stage 2 does, so a
+run from it evaluates on the text of a run from the folders."""
 
 from __future__ import annotations
 
@@ -32,17 +34,18 @@ DEFAULT_IDENTITY_KEYS = {"folders", "teacher", "shards_used", "shards_skipped", 
                          "student_tokenizer_sha256", "alignment", "packing"}
 
 
-def scored_folder(folder: Path, tokenizer, texts: list[str], name: str = "t") -> Path:
-    """``texts`` scored with random losses in ``SHARDS`` shards by the stage-1 writer (no Ray)."""
+def scored_folder(folder: Path, tokenizer, texts: list[str], name: str = "t", shards: int = SHARDS,
+                  per_shard: int = PER_SHARD) -> Path:
+    """``texts`` scored with random losses in ``shards`` shards by the stage-1 writer (no Ray)."""
     rng = np.random.default_rng(0)
     encodings = encode_batch(tokenizer, texts)
     docs = [ScoredDocument(f"c.parquet:{i}", t, e.ids, e.starts, e.ends, rng.gamma(2.0, 1.0, len(e)).astype(np.float32))
             for i, (t, e) in enumerate(zip(texts, encodings))]
-    identity = {"teacher": {"name": name}, "corpus": {"name": "c", "n_shards": SHARDS, "rows_per_shard": PER_SHARD}}
+    identity = {"teacher": {"name": name}, "corpus": {"name": "c", "n_shards": shards, "rows_per_shard": per_shard}}
     folder.mkdir(parents=True)
-    done = {i: write_shard(folder, i, ShardResult(documents=docs[i * PER_SHARD:(i + 1) * PER_SHARD]), identity,
-                           {"index": i}, "t") for i in range(SHARDS)}
-    write_manifest(folder, identity, done, SHARDS, "t")
+    done = {i: write_shard(folder, i, ShardResult(documents=docs[i * per_shard:(i + 1) * per_shard]), identity,
+                           {"index": i}, "t") for i in range(shards)}
+    write_manifest(folder, identity, done, shards, "t")
     return folder
 
 
@@ -120,13 +123,99 @@ def test_another_held_out_count_is_another_run_and_too_many_is_refused(tiny_stud
     assert "held_out_shards: -1 must be >= 0" in DataConfig(folders=["x"], held_out_shards=-1).problems()
 
 
-def test_several_teachers_cannot_hold_shards_out(tiny_student, scored, micro_corpus, tmp_path):
+def stage(name: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m stages.<name>`` with the conf's defaults but for ``args``."""
+    return subprocess.run([sys.executable, "-m", f"stages.{name}", f"hydra.run.dir={tmp_path / 'logs'}",
+                           f"artifacts_dir={tmp_path / 'artifacts'}", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"})
+
+
+def short_run(student: Path, folders: list[Path], out: Path, *args: str) -> list[str]:
+    """A short stage-2 run; ``data.held_out_shards`` and the evaluation's settings stay the conf's
+    (the embedded recipe: one shard held out), but evaluating every 2 steps."""
+    return ["student.embedded=false", f"student.model={student}", "student.seq_len=32",
+            f"data.folders=[{','.join(map(str, folders))}]", f"data.cache_dir={out.parent / 'lengths'}",
+            "train.max_steps=4", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1",
+            "train.logging_steps=1", "train.save_steps=2", "train.warmup_steps=1", "train.eval_every=2",
+            "train.use_cpu=true", "train.report_to=[]", "train.cpu_threads=1", "train.progress=false",
+            f"output_dir={out}", *args]
+
+
+def logs(run: Path) -> list[dict]:
+    """Every figure of every log but those of the clock."""
+    clock = ("time", "tokens_per_s", "eval_runtime", "train_runtime", "train_samples_per_second",
+             "train_steps_per_second")
+    return [{k: v for k, v in json.loads(line).items() if k not in clock}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_several_teachers_hold_the_same_shards_out_of_each(tiny_student, scored, micro_corpus, tmp_path):
+    """Two teachers of one corpus in one shard plan: the last shard is held out of both (neither
+    teacher's shards_used lists it) and evaluated on; a second teacher whose corpus was cut into
+    other shards (the same documents, 2 shards of 16) is refused in one line naming the differences."""
     from pipeline.embedded.sample_corpus import clean_texts
 
-    other = scored_folder(tmp_path / "other", load_tokenizer(str(tiny_student)),
-                          clean_texts(micro_corpus)[: SHARDS * PER_SHARD], name="second")
-    with pytest.raises(ConfigError, match="data.held_out_shards: 1 with several teachers"):
-        run_training(job(tiny_student, [scored, other], tmp_path / "two", 1))
+    texts = clean_texts(micro_corpus)[: SHARDS * PER_SHARD]
+    tokenizer = load_tokenizer(str(tiny_student))
+    other = scored_folder(tmp_path / "second", tokenizer, texts, name="second")
+    out = tmp_path / "two"
+    done = stage("train_student", tmp_path, *short_run(tiny_student, [scored, other], out, "loss.combine=mean"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ident = identity(out)
+    last = json.loads((scored / "manifest.json").read_text())["shards"][-1]
+    assert ident["shards_held_out"] == [{"file": last["file"], "folder": 0, "sha256": last["sha256"], "rows": PER_SHARD}]
+    kept = [f"shard-{i:06d}.parquet" for i in range(SHARDS - 1)]
+    assert [[s["file"] for s in t["shards_used"]] for t in ident["teachers"]] == [kept, kept]
+    assert [r["step"] for r in logs(out) if "eval_bits_per_byte" in r] == [2, 4]
+
+    other_plan = scored_folder(tmp_path / "other-plan", tokenizer, texts, name="second", shards=2, per_shard=16)
+    refused = stage("train_student", tmp_path, *short_run(tiny_student, [scored, other_plan], tmp_path / "refused"))
+    assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr[-3000:]
+    assert refused.stderr.startswith(
+        "error: data.held_out_shards: 1 with several teachers holds the same shards out of each teacher's first folder, "
+        f"so those must be one corpus in one shard plan; {other_plan} is not {scored}'s: corpus.n_shards: 4 != 2; "
+        "corpus.rows_per_shard: 8 != 16."), refused.stderr
+    assert not (tmp_path / "refused").exists()
+
+
+def test_an_export_holds_the_same_shards_out_and_trains_and_evaluates_as_the_folders(tiny_student, scored, tmp_path):
+    """make export-student and then make train-student ARGS="data.export=<export>" with the
+    defaults of their confs (the embedded recipe holds one shard out): the export leaves the held-out
+    shard's documents out and records it; the run from it logs every figure of the run from the
+    scored folders, its held-out bits per byte included (the same text). An export that holds
+    nothing out is refused for a run that holds a shard out."""
+    export = tmp_path / "export"
+    made = stage("export_student", tmp_path, "student.embedded=false", "student.name=t", f"student.model={tiny_student}",
+                 "student.seq_len=32", f"data.folders=[{scored}]", f"data.cache_dir={tmp_path / 'lengths'}",
+                 "export.progress=false", f"output_dir={export}")
+    assert made.returncode == 0, made.stderr[-3000:]
+    manifest = json.loads((export / "manifest.json").read_text())
+    last = json.loads((scored / "manifest.json").read_text())["shards"][-1]
+    assert manifest["identity"]["held_out_shards"] == 1
+    assert manifest["identity"]["shards_held_out"] == [{"file": last["file"], "folder": 0, "sha256": last["sha256"],
+                                                        "rows": PER_SHARD}]
+    held = set(pq.read_table(scored / last["file"], columns=["doc_id"]).column("doc_id").to_pylist())
+    exported = {d for e in manifest["shards"] for ids in pq.read_table(export / e["file"]).column("doc_ids").to_pylist()
+                for d in ids}
+    assert len(exported) == (SHARDS - 1) * PER_SHARD and not exported & held
+
+    from_folders, from_export = tmp_path / "folders", tmp_path / "from-export"
+    for out, extra in ((from_folders, ()), (from_export, (f"data.export={export}",))):
+        done = stage("train_student", tmp_path, *short_run(tiny_student, [scored], out, *extra))
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert logs(from_export) == logs(from_folders)
+    assert [r["step"] for r in logs(from_export) if "eval_bits_per_byte" in r] == [2, 4]
+
+    nothing_held = tmp_path / "export-0"
+    made = stage("export_student", tmp_path, "student.embedded=false", "student.name=t", f"student.model={tiny_student}",
+                 "student.seq_len=32", f"data.folders=[{scored}]", f"data.cache_dir={tmp_path / 'lengths'}",
+                 "data.held_out_shards=0", "export.progress=false", f"output_dir={nothing_held}")
+    assert made.returncode == 0, made.stderr[-3000:]
+    refused = stage("train_student", tmp_path, *short_run(tiny_student, [scored], tmp_path / "refused",
+                                                          f"data.export={nothing_held}"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "data.held_out_shards: the export has 0, this run 1" in refused.stderr
+    assert not (tmp_path / "refused").exists()
 
 
 def test_eval_student_measures_exactly_the_shards_the_run_held_out(runs, scored, tmp_path):
