@@ -11,12 +11,14 @@ front end (Hydra in ``stages/``) lays under its YAML, which then only overrides.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import re
+import signal
 import types
 import typing
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Iterable, Iterator, Mapping, TypeVar
 
 T = TypeVar("T")
 
@@ -38,6 +40,29 @@ class ConfigError(UserError, ValueError):
 
 class MissingPathError(UserError, FileNotFoundError):
     """A file or folder the configuration names does not exist."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal (SIGINT, SIGTERM, SIGUSR1) stopped the work; raised in the main thread so that every
+    ``finally`` runs (locks released, temporary files removed) before the entry point exits with
+    the signal's status. ``detail``: what was kept, when there is more to say than that."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.detail = detail
+
+
+@contextlib.contextmanager
+def handling(signals: Iterable[int], handler) -> Iterator[None]:
+    """``handler`` for each of ``signals`` (main thread only) while the block runs; the previous
+    handlers come back after it."""
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
 
 
 def raise_if(problems: list[str]) -> None:

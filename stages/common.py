@@ -12,8 +12,8 @@ wraps the entry point's ``main``:
    ``+``, with the nearest known key), a preset that does not exist (with the list of presets);
 2. the entry point's own ``check`` (its typed config built with :func:`pipeline.config.build`) runs
    on what remains, so that every mistake is reported in one message, exit status 2;
-3. ``main`` runs under :func:`exit_on_user_error`, and SIGINT / SIGTERM end it with one line and
-   exit status 130 / 143 (:func:`interrupts`).
+3. ``main`` runs under :func:`exit_on_user_error`, and SIGINT / SIGTERM / SIGUSR1 end it with one
+   line and exit status 130 / 143 / 138 (:func:`interrupts`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.config import ConfigError, UserError, build, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
+from pipeline.config import ConfigError, Interrupted, UserError, build, handling, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
 from pipeline.output_folder import storage_error
 from pipeline.quiet import quiet_third_party
 from storage_schemas import ContractError, dataset_dir
@@ -91,21 +91,16 @@ def register_defaults(name: str, tree: dict) -> None:
 # pyarrow, so its errors (a bad shard, a document id not in the dataset) are named here.
 USER_ERRORS = (UserError, ContractError, DocumentNotFoundError, sfs.StoreSettingError)
 STORE_UNAVAILABLE = 75  # EX_TEMPFAIL: the object store did not answer; the same command later resumes
-INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143}  # the shells' exit statuses for them
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived; raised in the main thread so that every ``finally`` runs (locks
-    released, temporary files removed) before the entry point exits."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+# The shells' exit statuses for them (128 + the signal's number). SIGUSR1 is what Slurm's --signal
+# sends by default before a time limit; stage 2 saves a checkpoint on it and on SIGTERM first.
+INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGUSR1: 138}
 
 
 @contextlib.contextmanager
 def interrupts(received: list[int] | None = None) -> Iterator[None]:
-    """SIGTERM behaves as SIGINT does: an exception in the main thread (:class:`Interrupted`).
+    """SIGTERM and SIGUSR1 behave as SIGINT does: an exception in the main thread
+    (:class:`pipeline.config.Interrupted`); stage 2's training replaces this while it trains
+    (:meth:`pipeline.train_student.trainer.GuidedTrainer.saving_on_signals`).
     Each signal is also appended to ``received``: a library waiting in native code when it arrives
     may raise a plain ``KeyboardInterrupt`` instead (``ray.get`` does), which no longer says which."""
     def raise_interrupted(signum, frame):
@@ -113,19 +108,15 @@ def interrupts(received: list[int] | None = None) -> Iterator[None]:
             received.append(signum)
         raise Interrupted(signum)
 
-    previous = {s: signal.signal(s, raise_interrupted) for s in INTERRUPTED}
-    try:
+    with handling(INTERRUPTED, raise_interrupted):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def exit_on_user_error(fn):
     """The project's user errors (:class:`pipeline.config.UserError`), and a full, read-only or
     forbidden file system (:func:`pipeline.output_folder.storage_error`), end the entry point with one
     clear line and exit status 2, no traceback (VOCAGNO_TRACEBACK=1 shows it); an interrupt ends it
-    with one line and 130 (SIGINT) or 143 (SIGTERM); an object store still failing after the S3
+    with one line and 130 (SIGINT), 143 (SIGTERM) or 138 (SIGUSR1); an object store still failing after the S3
     client's retries (:func:`storage_schemas.filesystem.unavailable`) with one line and 75. Everything
     else (CUDA, NCCL and Ray errors, a bug) propagates with its traceback and another exit status."""
 
@@ -151,8 +142,9 @@ def exit_on_user_error(fn):
             sys.exit(STORE_UNAVAILABLE)
         except KeyboardInterrupt as exc:
             signum = exc.signum if isinstance(exc, Interrupted) else received[0] if received else signal.SIGINT
-            print(f"interrupted ({signal.Signals(signum).name}): stopped; what was finished is kept and marked "
-                  "complete, nothing half-written is; the same command resumes", file=sys.stderr)
+            detail = getattr(exc, "detail", "") or ("stopped; what was finished is kept and marked complete, nothing "
+                                                    "half-written is; the same command resumes")
+            print(f"interrupted ({signal.Signals(signum).name}): {detail}", file=sys.stderr)
             sys.exit(INTERRUPTED[signum])
 
     return wrapper

@@ -39,6 +39,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 from pipeline.bits_per_byte import TEXT_SUFFIXES, shard_documents, text_file_documents
 from pipeline.config import (
     ConfigError,
+    Interrupted,
     build,
     check_at_least,
     check_choice,
@@ -572,7 +573,9 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     A checkpoint already at ``max_steps`` is a finished run: its weights are loaded and nothing is
     trained (the HF Trainer would otherwise train one step past the end). The count of skipped
     non-finite steps continues from the checkpoint's; a run stopped by too many of them in a row
-    raises :class:`NonFiniteLossError` (after its checkpoint is saved). ``held_out``: the texts of
+    raises :class:`NonFiniteLossError` (after its checkpoint is saved), one stopped by SIGTERM or
+    SIGUSR1 :class:`pipeline.config.Interrupted` (after its checkpoint at the step under way is
+    saved: :meth:`GuidedTrainer.saving_on_signals`). ``held_out``: the texts of
     the evaluation while training (:func:`held_out_texts`). ``on_checkpoint`` is called once each
     checkpoint is complete. Returns the trainer and the step it started from.
     """
@@ -589,10 +592,15 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
         trainer.state.log_history = trainer_state(checkpoint).get("log_history", [])
         trainer.state.global_step = start_step
     else:
-        with _cpu_threads(job.train.cpu_threads):
+        with _cpu_threads(job.train.cpu_threads), trainer.saving_on_signals():
             trainer.train(resume_from_checkpoint=checkpoint)
     if trainer.stop_reason:
         raise NonFiniteLossError(trainer.stop_reason)
+    step = trainer.state.global_step
+    if trainer.stop_signal is not None and step < args.max_steps:  # its last step is the run's end: it finishes
+        raise Interrupted(trainer.stop_signal, f"checkpoint-{step} saved at step {step} of {args.max_steps} "
+                                               f"({Path(job.output_dir) / f'checkpoint-{step}'}); the same command "
+                                               "resumes from it")
     return trainer, start_step
 
 

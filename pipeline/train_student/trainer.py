@@ -33,6 +33,12 @@ its checkpoint records.
   resumed run stays exact. After ``max_in_a_row`` such steps in a row the trainer saves a
   checkpoint and stops; the run then raises :class:`NonFiniteLossError`. With fp16 the gradient
   scaler keeps handling overflow itself; only non-finite losses count there.
+* SIGTERM or SIGUSR1 while it trains (a preemption, ``scancel``, a time limit: Slurm's ``--signal``)
+  is noted (:meth:`GuidedTrainer.saving_on_signals`), and the optimizer step under way ends with a
+  log and a complete checkpoint at that step, on every rank (the ranks agree in the step's one
+  reduction), then training stops; the run then raises :class:`pipeline.config.Interrupted`. A
+  resumed run goes on from that step exactly. The data-loader workers, which get the same signal
+  from a scheduler, leave it to the training process.
 
 Callbacks write the metrics as JSON lines and complete every checkpoint with the data identity
 and its marker (:mod:`pipeline.train_student.checkpoints`).
@@ -40,10 +46,14 @@ and its marker (:mod:`pipeline.train_student.checkpoints`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,12 +64,15 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from pipeline.bits_per_byte import default_window, text_losses
-from pipeline.config import UserError
+from pipeline.config import UserError, handling
 from pipeline.guided_loss import SelectionConfig, guided_loss
 from pipeline.train_student.checkpoints import mark_complete
 from pipeline.train_student.several_teachers import TeacherMetrics
 
 log = logging.getLogger(__name__)
+
+# The signals that save a checkpoint at the current step before the run stops (module docstring).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 # Running sums kept on the device between logging steps (no host synchronisation per step).
 _SUMS = ("tokens", "n_valid", "n_mapped", "n_selected", "n_kept", "loss_kept", "loss_all",
@@ -119,6 +132,32 @@ class GuidedTrainer(Trainer):
         self._skipped_since_log = 0
         self._micro = (-1, 0)  # (global step, micro-batch index within it)
         self._last_log_time = None
+        self.stop_signal: int | None = None  # SIGTERM or SIGUSR1 noted while training (saving_on_signals)
+
+    # ---- stopping on a signal (module docstring) ------------------------------------------------
+
+    @contextlib.contextmanager
+    def saving_on_signals(self):
+        """While it trains, SIGTERM and SIGUSR1 are noted (the first one; a repeat, as torchrun
+        passes the scheduler's on, changes nothing) instead of stopping the process where it is:
+        the step under way ends with a checkpoint (:meth:`_decide_update`). Outside the main
+        thread signals cannot be caught, and they keep what they do."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def note(signum, frame):
+            if self.stop_signal is None:
+                self.stop_signal = signum
+
+        with handling(STOP_SIGNALS, note):
+            yield
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        inner = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper reads its loader's settings
+        inner.worker_init_fn = functools.partial(_worker_ignores_stop_signals, inner.worker_init_fn)
+        return loader
 
     # ---- data --------------------------------------------------------------------------------
 
@@ -201,9 +240,10 @@ class GuidedTrainer(Trainer):
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             if grads:
                 bad = bad | ~torch.isfinite(torch.nn.utils.get_total_norm(grads))
-        if self.args.world_size > 1:
-            bad = self.accelerator.reduce(bad.float(), reduction="sum") > 0
-        skip = bool(bad.item())  # one host synchronisation per optimizer step
+        flags = torch.stack([bad.float(), torch.tensor(float(self.stop_signal is not None), device=bad.device)])
+        if self.args.world_size > 1:  # one reduction: any rank's bad step, any rank's signal
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        skip, signalled = (bool(f) for f in (flags > 0).tolist())  # one host synchronisation per optimizer step
         step = self.state.global_step + 1
         self._skip_update = skip
         if self._step_sums is not None:
@@ -221,8 +261,11 @@ class GuidedTrainer(Trainer):
                             step, self.guard.in_a_row, len(self.guard.skipped))
         if stop:
             self.stop_reason = self._stop_message(step)
+        if stop or signalled:
+            if signalled and self.stop_signal is None:
+                self.stop_signal = signal.SIGTERM  # another rank's signal: this one stops with it
             self.control.should_training_stop = True
-            self.control.should_save = True  # the last applied step's weights, resumable
+            self.control.should_save = True  # this step's weights (for the guard: the last applied step's), resumable
             self.control.should_log = True
 
     def _stop_message(self, step: int) -> str:
@@ -380,6 +423,15 @@ class GuidedTrainer(Trainer):
     def train(self, *args, **kwargs):
         self._last_log_time = time.perf_counter()
         return super().train(*args, **kwargs)
+
+
+def _worker_ignores_stop_signals(init, worker_id: int) -> None:
+    """A data-loader worker's start: SIGTERM and SIGUSR1 ignored (a scheduler signals every process;
+    the training process saves and stops, and ends its workers), then the Trainer's own ``init``."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    if init is not None:
+        init(worker_id)
 
 
 def _ratio(total: float, count: float) -> float:

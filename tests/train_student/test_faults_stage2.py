@@ -289,3 +289,46 @@ def test_second_training_on_the_same_run_folder_is_refused(tiny_student, micro_s
         with pytest.raises(DatasetBusyError, match="another training run is writing this folder"):
             run_training(job)
     assert not list(Path(job.output_dir).glob("checkpoint-*"))
+
+
+# --------------------------------------------------------------------------------------------
+# SIGTERM and SIGUSR1: a checkpoint at the step under way, then the signal's exit status
+
+
+@pytest.fixture(scope="module")
+def signal_reference(tiny_student, micro_scored, tmp_path_factory) -> tuple[Path, int]:
+    steps = 14
+    return reference_run(tiny_student, micro_scored, tmp_path_factory.mktemp("signal-reference"), steps), steps
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_saves_a_checkpoint_at_the_current_step_and_the_rerun_ends_as_an_uninterrupted_run(
+        sig, tiny_student, micro_scored, signal_reference, tmp_path):
+    """The signal to every process of the stage (its data-loader worker too, as a scheduler sends
+    it), with ``train.save_steps`` far past the run's end: the stage saves a complete checkpoint at
+    the step it was in, logs it, and exits with the signal's status (143, 138) in one line naming
+    the checkpoint; the same command resumes from it and ends with the uninterrupted run's per-step
+    figures and final weights, bit for bit."""
+    reference, steps = signal_reference
+    command = stage_command(tiny_student, micro_scored, tmp_path, "signalled", steps)
+    command[command.index("train.save_steps=3")] = "train.save_steps=1000"  # no checkpoint but the signal's
+    run, log = tmp_path / "signalled", tmp_path / "signalled.log"
+    started = time.time()
+    proc = spawn(command, log)
+    wait_for_step(run, 4, started, proc)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    os.killpg(proc.pid, sig)  # the stage and its data-loader worker
+    status = proc.wait(timeout=300)
+    last_logged = max(r["step"] for r in metrics(run))
+    assert status == {signal.SIGTERM: 143, signal.SIGUSR1: 138}[sig], log.read_text()[-3000:]
+    assert 4 <= last_logged < steps and complete_steps(run) == [last_logged], (last_logged, complete_steps(run))
+    last_line = [ln for ln in log.read_text().splitlines() if ln.strip()][-1]
+    assert last_line == (f"interrupted ({signal.Signals(sig).name}): checkpoint-{last_logged} saved at step "
+                         f"{last_logged} of {steps} ({run / f'checkpoint-{last_logged}'}); the same command resumes "
+                         "from it"), log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text() and not (run / "final").exists()
+    assert not (run / ".lock").exists()
+
+    run_to_completion(command, log)
+    assert_same_training(run, reference, steps)
+    assert json.loads((run / "summary.json").read_text())["resumed_from"].endswith(f"checkpoint-{last_logged}")
