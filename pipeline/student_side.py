@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from pipeline.alignment import (
@@ -315,6 +316,35 @@ def count_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
     out = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True,
                     return_attention_mask=False, return_token_type_ids=False)
     return [len(ids) for ids in out["input_ids"]]
+
+
+def sample_documents_of(shards: list, budget: int) -> tuple[list[str], np.ndarray]:
+    """About ``budget`` documents from shards spread evenly (the first rows of their first row
+    group): their texts and teacher token counts."""
+    picks = np.unique(np.round(np.linspace(0, len(shards) - 1, min(len(shards), max(1, budget // 250)))).astype(int))
+    per_shard = max(1, budget // len(picks))
+    texts: list[str] = []
+    teacher: list[int] = []
+    for i in picks.tolist():
+        shard = shards[i]
+        meta = pq.ParquetFile(str(shard.path)).metadata  # manifest-opened shards lack their row groups
+        shard = replace(shard, row_group_rows=tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
+        table = read_row_group(shard, 0, ["text", "token_ids"])
+        rows = min(per_shard, table.num_rows)
+        texts += table.column("text").slice(0, rows).to_pylist()
+        teacher += [len(x) for x in table.column("token_ids").slice(0, rows).to_pylist()]
+    return texts, np.asarray(teacher, dtype=np.float64)
+
+
+def student_per_teacher_token(shards: list, tokenizer, budget: int = 250) -> float | None:
+    """Student tokens per teacher token over a sample of documents (:func:`sample_documents_of`);
+    None without a teacher token in the sample."""
+    texts, teacher = sample_documents_of(shards, budget) if shards else ([], np.zeros(0))
+    total = float(teacher.sum())
+    if not texts or total <= 0:
+        return None
+    ids = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # as count_tokens
+    return sum(len(x) for x in ids) / total
 
 
 def _cache_file(folder: Path, shard: ShardInfo) -> Path | None:

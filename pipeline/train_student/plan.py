@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from pipeline.several_teachers import group_folders
-from pipeline.student_side import count_tokens
+from pipeline.student_side import count_tokens, sample_documents_of
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
 from pipeline.train_student.run import TrainJobConfig, batch_geometry
 from storage_schemas import filesystem as sfs
@@ -76,27 +75,6 @@ def _cached_counts(cache_dir: str | None, tokenizer_sha: str, shards: list) -> l
     return out
 
 
-def _sample(shards: list, budget: int) -> tuple[list[str], np.ndarray]:
-    """About ``budget`` documents from shards spread evenly: their texts and teacher token counts."""
-    picks = np.unique(np.round(np.linspace(0, len(shards) - 1, min(len(shards), max(1, budget // 250)))).astype(int))
-    per_shard = max(1, budget // len(picks))
-    texts: list[str] = []
-    teacher: list[int] = []
-    for i in picks.tolist():
-        shard = shards[i]
-        table = read_row_group(_row_groups(shard), 0, ["text", "token_ids"])
-        rows = min(per_shard, table.num_rows)
-        texts += table.column("text").slice(0, rows).to_pylist()
-        teacher += [len(x) for x in table.column("token_ids").slice(0, rows).to_pylist()]
-    return texts, np.asarray(teacher, dtype=np.float64)
-
-
-def _row_groups(shard):
-    """The shard with its row groups read from its footer (manifest-opened shards lack them)."""
-    meta = pq.ParquetFile(str(shard.path)).metadata
-    return replace(shard, row_group_rows=tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
-
-
 def plan_training(job: TrainJobConfig, world_size: int = 1, sample_documents: int = SAMPLE_DOCUMENTS) -> TrainPlan:
     """The bill of the training run ``job`` (module docstring)."""
     t0 = time.perf_counter()
@@ -113,7 +91,7 @@ def plan_training(job: TrainJobConfig, world_size: int = 1, sample_documents: in
     if len(groups) > 1:
         notes.append(f"{len(groups)} teachers: the first teacher's documents (the others match them)")
     cached = _cached_counts(d.cache_dir, fingerprint(tokenizer), shards)
-    texts, teacher_counts = _sample(shards, sample_documents)
+    texts, teacher_counts = sample_documents_of(shards, sample_documents)
     c0 = time.process_time()
     student_counts = np.asarray(count_tokens(tokenizer, texts), dtype=np.float64)
     count_rate = student_counts.sum() / max(time.process_time() - c0, 1e-9)

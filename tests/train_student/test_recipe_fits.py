@@ -91,3 +91,42 @@ def test_ratio_bound_must_be_positive(tiny_student, micro_scored, tmp_path):
     assert validate(job) == []
     assert validate(replace(job, data=replace(job.data, token_ratio_bound=0))) == [
         "data.token_ratio_bound: must be > 0, got 0"]
+
+
+@pytest.fixture(scope="module")
+def byte_student(tmp_path_factory) -> Path:
+    """A tiny Llama on a byte-level BPE of 260 tokens (almost no merges): several student tokens per
+    token of the micro teacher, as a 512-token student against a 49k-token teacher on real text."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.inputs import math_texts
+    from pipeline.embedded.tiny_teacher import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("byte-student") / "s"
+    tokenizer = train_tokenizer(math_texts(20_000), 260)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=64)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_small_student_vocabulary_is_bounded_by_its_sampled_ratio_not_refused(byte_student, micro_scored, tmp_path,
+                                                                                no_count):
+    """A student with far more tokens per teacher token than data.token_ratio_bound: a length the data
+    holds (counted here, by hand) passes the check before the count (the count then runs), where the
+    fixed bound alone refused it; one far past what the data holds is still refused before the count."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(byte_student)
+    texts = [t for f in sorted(micro_scored.glob("shard-*.parquet")) for t in pq.read_table(f)["text"].to_pylist()]
+    student = sum(len(x) for x in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    rows = len(texts)
+    holds = (((student + 2 * rows) - 1) // 32) // 8  # the steps the data truly gives (BOS at most and EOS)
+    assert holds > hand_bound(micro_scored, seq_len=32, samples_per_step=8), "the fixed bound would refuse it"
+    with pytest.raises(AssertionError, match="the token count ran"):
+        run_training(make_job(byte_student, micro_scored, tmp_path / "run", steps=holds))
+    with pytest.raises(ValueError, match=r"per teacher token, 1\.25 x \d\.\d\d on a sample of documents"):
+        run_training(make_job(byte_student, micro_scored, tmp_path / "run", steps=3 * holds))
