@@ -217,9 +217,24 @@ def diagnosis_batches(job, corpus_files: list[Path], n_batches: int) -> tuple[li
     data order for every arm of one seed, unseen by all of them): (B, L) ``input_ids``, ``ids``
     (targets), ``l_t``, ``mapped``, ``valid``, ``doc`` and ``kind`` per batch, and where they are."""
     from pipeline.tokenization import load_tokenizer
-    from pipeline.train_student.run import batch_geometry, prepare_data
 
     tokenizer = load_tokenizer(job.student.tokenizer or job.student.model)
+    batches, where, data, doc_ids = _batches(job, tokenizer, n_batches)
+    kinds = page_kinds(corpus_files)
+    for b in batches:
+        b["kind"] = np.vectorize(lambda d: kinds.get(doc_ids(d), "?"), otypes=[object])(b["doc"])
+    return batches, where
+
+
+def diagnosis_batches_of(job, tokenizer, n_batches: int) -> tuple[list[dict[str, np.ndarray]], dict]:
+    """:func:`diagnosis_batches` without page kinds (a corpus without the sample corpus's metadata)."""
+    batches, where, _, _ = _batches(job, tokenizer, n_batches)
+    return batches, where
+
+
+def _batches(job, tokenizer, n_batches: int):
+    from pipeline.train_student.run import batch_geometry, prepare_data
+
     data = prepare_data(job, tokenizer)
     accumulation, _ = batch_geometry(job, 1)
     size = job.train.micro_batch_size
@@ -227,24 +242,26 @@ def diagnosis_batches(job, corpus_files: list[Path], n_batches: int) -> tuple[li
     unseen = first + n_batches * size <= data.plan.n_samples
     if not unseen:
         first = max(0, data.plan.n_samples - n_batches * size)
-    kinds = page_kinds(corpus_files)
-    doc_ids = {}
+    names: dict[int, str] = {}
+
+    def doc_ids(d: int) -> str:
+        """The stored doc_id of the plan's document ``d``."""
+        if d not in names:
+            shard = data.dataset.shards[int(data.plan.doc_shard[d])]
+            column = pq.read_table(shard.path, columns=["doc_id"]).column("doc_id")
+            names[d] = column[int(data.plan.doc_row[d])].as_py()
+        return names[d]
+
     batches = []
     for start in range(first, min(first + n_batches * size, data.plan.n_samples) - size + 1, size):
         windows = data.dataset.windows(range(start, start + size))
         doc = np.stack([np.concatenate([np.full(b - a, d) for d, a, b in w.documents])[1:] for w in windows])  # (B, L)
-        for d in np.unique(doc).tolist():
-            if d not in doc_ids:
-                shard = data.dataset.shards[int(data.plan.doc_shard[d])]
-                column = pq.read_table(shard.path, columns=["doc_id"]).column("doc_id")
-                doc_ids[d] = column[int(data.plan.doc_row[d])].as_py()
-        kind = np.vectorize(lambda d: kinds.get(doc_ids[d], "?"), otypes=[object])(doc)
         ids = np.stack([w.ids for w in windows])  # (B, L + 1)
-        batches.append({"input_ids": ids[:, :-1], "ids": ids[:, 1:], "doc": doc, "kind": kind,
+        batches.append({"input_ids": ids[:, :-1], "ids": ids[:, 1:], "doc": doc,
                         "l_t": np.stack([w.teacher_loss[1:] for w in windows]).astype(np.float32),
                         "mapped": np.stack([w.mapped[1:] for w in windows]), "valid": np.ones(ids[:, 1:].shape, bool)})
     return batches, {"first_sample": first, "samples": len(batches) * size, "unseen": unseen,
-                     "samples_in_the_stream": data.plan.n_samples, "sequences_per_batch": size}
+                     "samples_in_the_stream": data.plan.n_samples, "sequences_per_batch": size}, data, doc_ids
 
 
 def batch_losses(model_folder: str | Path, batches: list[dict[str, np.ndarray]]) -> list[np.ndarray]:

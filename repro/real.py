@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 from hydra import compose
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
@@ -96,6 +97,7 @@ class RealStudyConfig:
     arms: dict = field(default_factory=dict)  # name -> ArmSpec
     comparisons: list = field(default_factory=list)  # [a, b, claimed sign]
     seeds: list[int] = field(default_factory=list)
+    sizing: dict = field(default_factory=dict)  # how the seeds were sized (the report repeats it)
 
     def problems(self) -> list[str]:
         found = []
@@ -340,6 +342,75 @@ def run_all(todo: list[RealRun], held_out: dict[str, list[str]], parallel: int, 
 
 
 # ---------------------------------------------------------------------------------------------
+# Diagnosis: what the guided selection takes from a student that has never seen the domain
+
+
+def diagnose(run_guided: RealRun, base_folder: Path, trained: dict[str, str], work: Path, n_batches: int = 24) -> dict:
+    """On the micro-batches stage 2 forms right after a guided run's last trained sample (unseen by
+    every arm of that seed): what the base student's guided selection takes (teacher loss, student
+    loss and excess of the selected tokens against all candidates; byte-fallback pieces; rank
+    correlations of the excess with the teacher's and the student's loss) and, for each trained
+    model in ``trained`` (arm -> final model folder), its loss on the tokens that selection takes
+    and on the others. Cached in ``work/diagnosis`` by its inputs."""
+    import torch
+
+    from pipeline.guided_loss import SelectionConfig
+    from pipeline.tokenization import load_tokenizer
+    from repro.diagnose import batch_losses, diagnosis_batches_of, select
+
+    key = hashlib.sha256(json.dumps([run_guided.key(), str(base_folder), sorted(trained.items()), n_batches,
+                                     1]).encode()).hexdigest()[:16]
+    cache = work / "diagnosis" / f"{run_guided.arm}-seed{run_guided.seed}-{key}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    tokenizer = load_tokenizer(str(base_folder))
+    batches, where = diagnosis_batches_of(run_guided.job, tokenizer, n_batches)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = batch_losses(base_folder, batches)
+        picked = select(batches, base, run_guided.job.selection)
+        losses = {arm: batch_losses(folder, batches) for arm, folder in trained.items()}
+    finally:
+        torch.set_num_threads(threads)
+    byte_ids = np.asarray([tok.startswith("<0x") for tok in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))])
+    cat = {k: np.concatenate([b[k].reshape(-1) for b in picked]) for k in ("l_s", "l_t", "mapped", "valid", "ids",
+                                                                            "selected")}
+    cand = cat["mapped"] & cat["valid"] & ~np.isnan(cat["l_t"])
+    sel = cat["selected"] & cand
+    rest = cand & ~sel
+    excess = cat["l_s"] - cat["l_t"]
+
+    def rank_corr(a: np.ndarray, b: np.ndarray) -> float:
+        ra, rb = a.argsort().argsort().astype(float), b.argsort().argsort().astype(float)
+        return float(np.corrcoef(ra, rb)[0, 1])
+
+    def mean(x: np.ndarray, m: np.ndarray) -> float:
+        return float(x[m].mean()) if m.any() else float("nan")
+
+    is_byte = byte_ids[np.clip(cat["ids"], 0, len(byte_ids) - 1)]
+    out = {"where": where, "candidates": int(cand.sum()), "selected": int(sel.sum()),
+           "teacher_loss": {"selected": mean(cat["l_t"], sel), "rest": mean(cat["l_t"], rest)},
+           "student_loss": {"selected": mean(cat["l_s"], sel), "rest": mean(cat["l_s"], rest)},
+           "excess": {"selected": mean(excess, sel), "rest": mean(excess, rest)},
+           "byte_pieces": {"selected": mean(is_byte, sel), "rest": mean(is_byte, rest)},
+           "rank_corr_excess_with": {"teacher_loss": rank_corr(excess[cand], cat["l_t"][cand]),
+                                     "student_loss": rank_corr(excess[cand], cat["l_s"][cand])},
+           "student_loss_sd": float(cat["l_s"][cand].std()), "teacher_loss_sd": float(cat["l_t"][cand].std()),
+           "trained": {}}
+    sel_b = [b["selected"] & b["mapped"] & b["valid"] & ~np.isnan(b["l_t"]) for b in picked]
+    rest_b = [b["mapped"] & b["valid"] & ~np.isnan(b["l_t"]) & ~s for b, s in zip(picked, sel_b)]
+    for arm, per_batch in {"base": base, **losses}.items():
+        l = np.concatenate([x.reshape(-1) for x in per_batch])
+        out["trained"][arm] = {"selected": mean(l, np.concatenate([m.reshape(-1) for m in sel_b])),
+                               "rest": mean(l, np.concatenate([m.reshape(-1) for m in rest_b])),
+                               "all": float(l[cat["valid"]].mean())}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(out))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 
 
@@ -368,8 +439,49 @@ def _cell(test: dict | None) -> str:
     return f"{test['mean']:+.4f} [{test['ci'][0]:+.4f}, {test['ci'][1]:+.4f}], p = {test['p']:.2g}"
 
 
+def diagnose_study(study: RealStudyConfig, todo: list[RealRun], results: list[dict], students: dict[str, Path],
+                   work: Path) -> dict:
+    """:func:`diagnose` for each guided arm that a comparison puts first, on the first seed where it
+    and the arms it is compared with have finished: those arms' models side by side."""
+    finished = {(r["arm"], r["seed"]) for r in results}
+    wanted: dict[str, list[str]] = {}
+    for a, b, _ in study.comparisons:
+        wanted.setdefault(a, [a])
+        if b not in wanted[a]:
+            wanted[a].append(b)
+    out = {}
+    for arm, arms in wanted.items():
+        seed = next((s for s in study.seeds if all((x, s) in finished for x in arms)), None)
+        run = next((t for t in todo if t.arm == arm and t.seed == seed), None)
+        if run is None or run.job.selection.mode != "guided":
+            continue
+        trained = {x: str(Path(t.job.output_dir) / "final") for x in arms for t in todo if t.arm == x and t.seed == seed}
+        out[arm] = {"seed": seed, **diagnose(run, students[run.student], trained, work, n_batches=3)}
+    return out
+
+
+def _diagnosis_lines(diagnoses: dict) -> list[str]:
+    lines = ["## Diagnosis: what the guided selection takes", "",
+             "On 3 micro-batches that stage 2 forms at the end of the data order of one seed, the base student's "
+             "guided selection (top 40% by excess loss l_s - L_t over the batch) against the mapped tokens it leaves; "
+             "then each trained model's mean loss (nats per student token) on the two groups "
+             "(`repro/real.py: diagnose`).", "",
+             "| guided arm (seed) | tokens | teacher loss: taken / left | base student loss: taken / left | "
+             "byte pieces: taken / left | rank corr. of the excess with the student's loss / the teacher's | "
+             "after training, loss on taken / left |", "|---|---|---|---|---|---|---|"]
+    for arm, d in diagnoses.items():
+        after = "; ".join(f"{a}: {v['selected']:.2f} / {v['rest']:.2f}" for a, v in d["trained"].items() if a != "base")
+        lines.append(f"| {arm} ({d['seed']}) | {d['selected']:,} of {d['candidates']:,} | "
+                     f"{d['teacher_loss']['selected']:.2f} / {d['teacher_loss']['rest']:.2f} | "
+                     f"{d['student_loss']['selected']:.2f} / {d['student_loss']['rest']:.2f} | "
+                     f"{d['byte_pieces']['selected']:.1%} / {d['byte_pieces']['rest']:.1%} | "
+                     f"{d['rank_corr_excess_with']['student_loss']:+.2f} / {d['rank_corr_excess_with']['teacher_loss']:+.2f} | "
+                     f"{after} |")
+    return lines + [""]
+
+
 def write_report(study: RealStudyConfig, results: list[dict], base: dict, corpus: dict, scored: dict,
-                 report_dir: Path, meta: dict) -> dict:
+                 report_dir: Path, meta: dict, diagnoses: dict | None = None) -> dict:
     from storage_schemas import write_json_atomic
 
     sources = sorted(corpus["held_out"])
@@ -386,7 +498,7 @@ def write_report(study: RealStudyConfig, results: list[dict], base: dict, corpus
                          "per_source": {s: sum(r["per_source"][s]["bits_per_byte"] for r in rs) / len(rs) for s in sources},
                          "train_seconds": sum(r["train_seconds"] for r in rs) / len(rs)}
     record = {**meta, "design": asdict(study), "corpus": corpus, "scored": scored, "base_students": base,
-              "arms": arms, "claims": claims, "results": results}
+              "arms": arms, "claims": claims, "diagnoses": diagnoses or {}, "results": results}
     report_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(report_dir / "report.json", record)
     lines = [f"# The real-model study ({meta['finished']})", "",
@@ -396,6 +508,10 @@ def write_report(study: RealStudyConfig, results: list[dict], base: dict, corpus
              "planned (the cells say how many ran); verdict `holds` when the interval excludes 0 on the "
              "claimed side, `does not hold` on the other, `inconclusive` otherwise. Design: conf/repro_real.yaml; "
              "method and diagnosis: docs/real-models.md.", "",
+             *([f"Seeds: {study.seeds} ({len(study.seeds)}); sized by the toy study's rule at delta = "
+                f"{study.sizing.get('delta')} bits/byte and power {study.sizing.get('power')} from the pilot "
+                f"({study.sizing.get('pilot_report')}), which asked for {study.sizing.get('seeds_the_rule_asks_for')} "
+                "seeds; conf/repro_real.yaml says why the study stops where it does.", ""] if study.sizing else []),
              "## Claims", "", "| a | b | claimed | a - b overall | verdict | " + " | ".join(sources) + " |",
              "|---|---|---|---|---|" + "---|" * len(sources)]
     for c in claims:
@@ -409,7 +525,8 @@ def write_report(study: RealStudyConfig, results: list[dict], base: dict, corpus
     for name, a in arms.items():
         lines.append(f"| {name} | {a['runs']} | {a['bits_per_byte']:.4f} | "
                      + " | ".join(f"{a['per_source'][s]:.4f}" for s in sources) + f" | {a['train_seconds']:.0f} |")
-    lines += ["", "## Before continual pretraining", "", "| student | bits/byte | " + " | ".join(sources) + " |",
+    lines += [""] + (_diagnosis_lines(diagnoses) if diagnoses else [])
+    lines += ["## Before continual pretraining", "", "| student | bits/byte | " + " | ".join(sources) + " |",
               "|---|---|" + "---|" * len(sources)]
     for name, b in base.items():
         lines.append(f"| {name} | {b['bits_per_byte']:.4f} | "
@@ -454,7 +571,9 @@ def run_study(study: RealStudyConfig) -> dict:
     meta = {"finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": time.perf_counter() - t0,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "partial": len(results) < len(todo),
             "runs_planned": len(todo), "runs_trained": len(results) - n_cached, "runs_cached": n_cached}
-    record = write_report(study, results, base, corpus, scored, Path(to_absolute_path(study.report_dir)), meta)
+    diagnoses = diagnose_study(study, todo, results, students, work)
+    record = write_report(study, results, base, corpus, scored, Path(to_absolute_path(study.report_dir)), meta,
+                          diagnoses)
     print(f"report: {Path(study.report_dir) / 'report.md'} ({len(results)} of {len(todo)} runs)")
     return record
 

@@ -75,5 +75,9 @@ def test_the_study_runs_end_to_end_and_resumes(texts_dir, micro_teacher, tmp_pat
     assert set(record["base_students"]) == {"stories", "scratch"}
     report = (tmp_path / "report" / "report.md").read_text()
     assert "| guided | cpt | a < b |" in report and "| train | book |" in report
+    diagnosis = record["diagnoses"]["guided"]  # the guided arm of the comparison, on its first seed
+    assert diagnosis["seed"] == 0 and set(diagnosis["trained"]) == {"base", "guided", "cpt"}
+    assert diagnosis["selected"] <= diagnosis["candidates"] and diagnosis["excess"]["selected"] >= diagnosis["excess"]["rest"]
+    assert "| guided (0) |" in report
     saved = json.loads((tmp_path / "report" / "report.json").read_text())
     assert saved["claims"][0]["overall"]["verdict"] == claim["overall"]["verdict"]
