@@ -134,6 +134,9 @@ class GpuBenchConfig:
     real_keep_losses: int = 200  # documents per file whose per-token losses are written (<out>-real-losses.parquet)
     out: str | None = None  # prefix of the .json/.md; None: bench-results/gpu-latest (gpu-smoke for a smoke run)
     merge: list[str] = field(default_factory=list)  # reports (.json) of runs on one machine, merged into out
+    cross_check: str | None = None  # a <out>-real-losses.parquet: its documents scored again here (cross_check_*)
+    cross_check_docs: int = 12  # documents per file scored again (the first ones of at most cross_check_max_tokens)
+    cross_check_max_tokens: int = 2048
     part_child: str | None = None  # internal: the JSON task of a part's child process
 
     def problems(self) -> list[str]:
@@ -149,6 +152,14 @@ class GpuBenchConfig:
         if self.real_teacher is not None and not self.real_text:
             problems.append("real_text: the real_teacher part needs files of documents to score (real_text=[a.parquet])")
         problems += [f"merge: {path} is not a file" for path in self.merge if not Path(path).is_file()]
+        if self.cross_check is not None:
+            if not Path(self.cross_check).is_file():
+                problems.append(f"cross_check: {self.cross_check} is not a file (a <out>-real-losses.parquet)")
+            if not self.real_teacher or not self.real_text:
+                problems.append("cross_check: needs real_teacher= (the same teacher: its .gguf or converted folder) "
+                                "and real_text=[...] (the files the GPU run scored)")
+        check_at_least(problems, "cross_check_docs", self.cross_check_docs, 1)
+        check_at_least(problems, "cross_check_max_tokens", self.cross_check_max_tokens, 1)
         return problems
 
 
@@ -483,7 +494,8 @@ def bench_real_teacher(s: Settings, device, cfg: GpuBenchConfig, losses_path: Pa
         table = pa.Table.from_pylist(kept, schema=pa.schema([
             ("file", pa.string()), ("doc_id", pa.string()), ("text_sha256", pa.string()),
             ("ids", pa.list_(pa.int32())), ("loss_float32", pa.list_(pa.float32())),
-            ("loss_bfloat16", pa.list_(pa.float32()))]))
+            ("loss_bfloat16", pa.list_(pa.float32()))],
+            metadata={"window": str(settings.window), "stride": str(settings.stride)}))
         pq.write_table(table, losses_path, compression="zstd")
         out["losses_file"] = {"path": losses_path.name, "documents": len(kept)}
     all_tokens = sum(f["tokens"] for f in out["files"].values())
@@ -494,6 +506,80 @@ def bench_real_teacher(s: Settings, device, cfg: GpuBenchConfig, losses_path: Pa
                                           s.selection_ratio)
     del model, scorer
     return out
+
+
+def cross_check(cfg: GpuBenchConfig) -> dict:
+    """The documents of a ``real_teacher`` run's losses file scored again by stage 1's path on this
+    machine (``device``, float32 unless ``dtype``): the first ``cross_check_docs`` of each file with
+    at most ``cross_check_max_tokens`` tokens. The same text (sha256) and token ids are required;
+    the per-token differences from the other machine's float32 and bfloat16 losses are reported."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    from pipeline.score_teacher.backends.base import ScorerConfig
+    from pipeline.score_teacher.backends.hf import TransformersScorer
+    from pipeline.score_teacher.teacher import WindowSettings, score_documents
+    from pipeline.tokenization import bos_token_id
+
+    s = Settings()
+    table = pq.read_table(cfg.cross_check)
+    meta = table.schema.metadata or {}  # the window plan it was scored with (a full run's where not recorded)
+    window, stride = int(meta.get(b"window", s.real_window)), int(meta.get(b"stride", s.real_stride))
+    stored = table.to_pylist()
+    picked: dict[str, list[dict]] = {}
+    for row in stored:
+        rows = picked.setdefault(row["file"], [])
+        if len(rows) < cfg.cross_check_docs and len(row["ids"]) <= cfg.cross_check_max_tokens:
+            rows.append(row)
+    texts = {Path(f).name: f for f in cfg.real_text}
+    missing = sorted(set(picked) - set(texts))
+    if missing:
+        raise ConfigError(f"cross_check: {cfg.cross_check} holds documents of {missing}, which real_text does not name")
+    device = torch.device(cfg.device or "cpu")
+    dtype_name = cfg.dtype or "float32"
+    t0 = time.perf_counter()
+    model, tokenizer = load_teacher(cfg.real_teacher, device, dtype_name)
+    settings = WindowSettings(window=window, stride=stride, bos_id=bos_token_id(tokenizer))
+    scorer = TransformersScorer(ScorerConfig(dtype=dtype_name, device=str(device), window=window), model=model)
+    here, there32, there16, tokens = [], [], [], 0
+    for name, rows in picked.items():
+        by_id = {doc.doc_id: doc for doc in read_documents(texts[name])}
+        docs = []
+        for row in rows:
+            doc = by_id.get(row["doc_id"])
+            if doc is None or _sha256(doc.text) != row["text_sha256"]:
+                raise ConfigError(f"cross_check: {texts[name]} has no document {row['doc_id']} with the text the "
+                                  "other machine scored (sha256 differs or the row is gone)")
+            docs.append(doc)
+        for row, scored in zip(rows, score_documents(docs, tokenizer, scorer, settings).documents):
+            if scored.doc_id != row["doc_id"] or list(scored.ids) != list(row["ids"]):
+                raise RuntimeError(f"cross_check: {row['doc_id']}: this machine's tokenizer gives other token ids "
+                                   "than the other machine's; the losses do not compare")
+            here.append(scored.losses)
+            there32.append(np.asarray(row["loss_float32"], dtype=np.float32))
+            there16.append(np.asarray(row["loss_bfloat16"], dtype=np.float32))
+            tokens += len(row["ids"])
+    return {"losses_file": Path(cfg.cross_check).name, "teacher": cfg.real_teacher, "device": str(device),
+            "dtype": dtype_name, "machine": machine(device, None), "seconds": time.perf_counter() - t0,
+            "windows": {"window": window, "stride": stride},
+            "documents": {name: [r["doc_id"] for r in rows] for name, rows in picked.items()}, "tokens": tokens,
+            "ratio": s.selection_ratio,
+            "vs_float32": loss_differences(here, there32, s.selection_ratio),
+            "vs_bfloat16": loss_differences(here, there16, s.selection_ratio)}
+
+
+def cross_check_markdown(result: dict) -> str:
+    lines = [f"# Cross-check of {result['losses_file']} ({result['machine']['date']})", "",
+             f"The same {sum(len(v) for v in result['documents'].values())} documents ({result['tokens']:,} tokens) "
+             f"scored again by stage 1's path on {result['machine']['device']} in {result['dtype']} "
+             f"({result['teacher']}), compared token by token with the other machine's losses.", "",
+             "| other machine's losses | max abs diff (nats) | p99 | mean | top-40% flips |", "|---|---|---|---|---|"]
+    for key in ("vs_float32", "vs_bfloat16"):
+        d = result[key]
+        lines.append(f"| {key[3:]} | {d['max_abs']:.3g} | {d['p99_abs']:.3g} | {d['mean_abs']:.3g} | "
+                     f"{d['flips']} of {d['tokens']:,} ({d['flip_share']:.3g}) |")
+    return "\n".join(lines) + "\n"
 
 
 def _sha256(text: str | None) -> str | None:
@@ -916,6 +1002,13 @@ def main(cfg: DictConfig) -> None:
     typed = gpu_bench_config(cfg)
     if typed.part_child:
         _part_child(json.loads(Path(typed.part_child).read_text()))
+    elif typed.cross_check:
+        result = cross_check(typed)
+        prefix = Path(typed.out or str(Path(typed.cross_check).with_suffix("")) + "-cross-check")
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        prefix.with_suffix(".json").write_text(json.dumps(strict_json(result), indent=1, allow_nan=False))
+        prefix.with_suffix(".md").write_text(cross_check_markdown(result))
+        print(cross_check_markdown(result))
     elif typed.merge:
         report = merge_reports(typed.merge)
         json_path, md_path = write(report, Path(typed.out or "bench-results/gpu-latest"))

@@ -147,8 +147,9 @@ def bill_rate(job: ScoreJobConfig) -> tuple[float, str]:
         value = next((f.get("value") for f in result.get("figures", [])
                       if f.get("key") == "scorer_tokens_per_s_teacher_w4096"), None)
         if value:
-            device = (result.get("machine") or {}).get("cuda") or "a GPU"
-            return float(value), f"measured by make gpu-bench on {device}, {GPU_BENCH_RESULT}"
+            device = (result.get("machine") or {}).get("device") or "a GPU"
+            return float(value), (f"measured by make gpu-bench on {device} (the scorer at the Qwen2.5-7B shape, "
+                                  f"window 4096, bf16; {GPU_BENCH_RESULT})")
     return REFERENCE_TOKENS_PER_S, "a 7B forward at 70% MFU on an H100; plan_tokens_per_s=<yours> to change it"
 
 

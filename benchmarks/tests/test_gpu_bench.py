@@ -274,3 +274,35 @@ def test_merging_two_runs_keeps_each_part_and_refuses_two_devices(smoke_report, 
     paths[1].write_text(json.dumps(other))
     with pytest.raises(gpu.ConfigError, match="different devices"):
         gpu.merge_reports([str(p) for p in paths])
+
+
+def test_the_cross_check_finds_a_planted_difference_and_refuses_other_text(smoke_report, real_inputs, tmp_path):
+    """The losses file scored again here: a loss moved by 0.25 nats in the stored file is found as
+    such (the rest agree: the same machine and path), and a changed document is refused by name."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import benchmarks.gpu as gpu
+
+    teacher, text = real_inputs
+    rows = pq.read_table(smoke_report["_losses"]).to_pylist()
+    rows[1]["loss_float32"][3] += 0.25
+    planted = tmp_path / "planted-real-losses.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(smoke_report["_losses"])), planted)
+    cfg = gpu.GpuBenchConfig(cross_check=str(planted), real_teacher=str(teacher), real_text=[str(text)],
+                             cross_check_docs=5, cross_check_max_tokens=10_000)
+    assert cfg.problems() == []
+    result = gpu.cross_check(cfg)
+    tokens = sum(len(r["ids"]) for r in rows)
+    assert result["tokens"] == tokens and result["documents"] == {"pages.parquet": [r["doc_id"] for r in rows]}
+    assert result["vs_float32"]["max_abs"] == pytest.approx(0.25, abs=1e-5)
+    assert result["vs_float32"]["p99_abs"] < 1e-5 or tokens < 100
+    other = tmp_path / "pages.parquet"
+    texts = pq.read_table(text)["text"].to_pylist()
+    pq.write_table(pa.table({"text": [texts[0], texts[1] + " changed", texts[2]]}), other)
+    with pytest.raises(gpu.ConfigError, match=r"pages\.parquet:1"):
+        gpu.cross_check(gpu.GpuBenchConfig(cross_check=str(planted), real_teacher=str(teacher),
+                                           real_text=[str(other)]))
+    assert "cross_check" in " ".join(gpu.GpuBenchConfig(cross_check=str(tmp_path / "none.parquet")).problems())
+    assert np.isfinite(result["vs_bfloat16"]["mean_abs"])

@@ -98,3 +98,23 @@ def test_the_training_plan_matches_the_runs_packing(micro_scored, tiny_student, 
     assert exact.samples_per_step == 8 and exact.steps_available == data.plan.n_samples // 8 and exact.steps == 5
     assert not estimated.counted and abs(estimated.student_tokens - truth) <= 2 * estimated.student_tokens_error * truth + 1
     assert replace(exact, seconds=0).documents == 160 - 2  # the micro corpus's two null texts are not stored
+
+
+def test_the_bill_uses_the_gpu_bench_rate_when_one_was_measured(tmp_path, monkeypatch):
+    """The GPU-hours rate: plan_tokens_per_s, else the 4096-window scorer figure of a gpu-bench
+    report (with the device that measured it), else the stated reference."""
+    import json
+
+    import stages.score_teacher as stage
+
+    base = job(tmp_path, [], tmp_path / "out")
+    monkeypatch.setattr(stage, "GPU_BENCH_RESULT", tmp_path / "none.json")
+    assert stage.bill_rate(base)[0] == stage.REFERENCE_TOKENS_PER_S
+    report = tmp_path / "gpu-latest.json"
+    report.write_text(json.dumps({"machine": {"device": "NVIDIA H200", "cuda": "13.0"}, "figures": [
+        {"key": "scorer_tokens_per_s_teacher_w2048", "value": 35151.0},
+        {"key": "scorer_tokens_per_s_teacher_w4096", "value": 34263.4}]}))
+    monkeypatch.setattr(stage, "GPU_BENCH_RESULT", report)
+    rate, source = stage.bill_rate(base)
+    assert rate == 34263.4 and "NVIDIA H200" in source and "4096" in source
+    assert stage.bill_rate(replace(base, plan_tokens_per_s=5000.0)) == (5000.0, "plan_tokens_per_s")
