@@ -278,6 +278,7 @@ def test_every_pod_takes_its_credentials_from_the_secret_and_no_manifest_holds_o
 
 
 HF_CACHE, RUNS = "vocagno-hf-cache", "vocagno-runs"
+IMAGE_GID = 100  # the Ray image's user ray is in group users (100); the Dockerfile gives /app to ray:users
 
 
 def pod_templates() -> dict[str, dict]:
@@ -351,6 +352,8 @@ def mount_problems(role: str, template: dict) -> list[str]:
         claim = volume.get("persistentVolumeClaim", {}).get("claimName")
         if claim is not None and claim not in defined:
             problems.append(f"{role}: volume {name!r} names claim {claim!r}, which no manifest defines")
+        if claim is not None and spec.get("securityContext", {}).get("fsGroup") != IMAGE_GID:
+            problems.append(f"{role}: volume {name!r} is not made writable by the image's group (fsGroup {IMAGE_GID})")
     for container in spec["containers"]:
         where = f"{role}/{container['name']}"
         shm = volume_at(container, "/dev/shm")
@@ -407,6 +410,10 @@ def test_the_mount_check_catches_a_missing_or_wrong_mount(role):
     def rename(spec):
         spec["containers"][0]["volumeMounts"][0]["name"] = "hf-cahce"
     assert any("which the pod does not declare" in p for p in planted(rename))
+
+    def no_fs_group(spec):
+        spec.pop("securityContext")
+    assert any("fsGroup" in p for p in planted(no_fs_group))
 
     def disk_shm(spec):
         for v in spec["volumes"]:
