@@ -18,8 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "teacher").glob("*.yaml"))
 # (window, stride) each preset pinned before the stride became half the window by default:
-# the 7B teachers 4096 and 2048, the tiny teacher its own 512 positions and 384.
-BEFORE = {"tiny": (None, 384), **{p: (4096, 2048) for p in PRESETS if p != "tiny"}}
+# the 7B teachers 4096 and 2048, the tiny teacher its own 512 positions and 384; SmolLM2-135M, added
+# later, 2048 and 1024 (its training context, half of it as stride).
+BEFORE = {"tiny": (None, 384), "smollm2-135m": (2048, 1024),
+          **{p: (4096, 2048) for p in PRESETS if p not in ("tiny", "smollm2-135m")}}
 
 
 def job(*overrides: str):
