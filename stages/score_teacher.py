@@ -58,6 +58,9 @@ def job_config(cfg: DictConfig) -> ScoreJobConfig:
     return with_problems(embedded_problems(cfg), lambda: score_job_config(plain(cfg)))
 
 
+SAMPLE_NAME = "owm-sample"  # the embedded sample's data.name (conf/data/sample.yaml)
+
+
 def embedded_problems(cfg: DictConfig) -> list[str]:
     """Your own corpus files or teacher given while the embedded sample or tiny teacher is chosen:
     the corpus would be labelled (and its folder named) as the sample, the teacher ignored."""
@@ -68,9 +71,13 @@ def embedded_problems(cfg: DictConfig) -> list[str]:
         sample = sample_corpus_dir(cfg.artifacts_dir, d.build.n_docs, d.build.seed)
         if not (len(files) == 1 and os.path.basename(files[0]) == "*.parquet"
                 and same_path(os.path.dirname(files[0]), sample)):
-            found.append(f"data.files: your own corpus, while data.name is {d.get('name')!r}, the embedded sample's: give "
-                         "it a name of its own and say it is no sample, data.name=<a name for your corpus> "
-                         "data.embedded=false (its folder is then named after it)")
+            if d.get("name") != SAMPLE_NAME:  # a name of your own given: only the word that it is no sample lacks
+                found.append(f"data.files: your own corpus {d.get('name')!r} still has the embedded sample's settings "
+                             "(data=sample, the default): add data.embedded=false to score it as your own")
+            else:
+                found.append(f"data.files: your own corpus, while data.name is {d.get('name')!r}, the embedded "
+                             "sample's: give it a name of its own and say it is no sample, data.name=<a name for "
+                             "your corpus> data.embedded=false (its folder is then named after it)")
     if t.get("embedded") and t.get("build"):
         built = tiny_teacher_dir(cfg.artifacts_dir, t.build.corpus_docs, t.build.seed)
         if t.get("model") and not same_path(t.model, built):

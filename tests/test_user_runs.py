@@ -121,6 +121,21 @@ def test_a_real_stage2_run_prints_only_the_projects_lines(own_corpus, tiny_stude
     assert (project / "run" / "stable").is_dir()
 
 
+def test_the_same_corpus_cut_at_another_limit_is_named_as_the_limit_not_another_corpus(own_corpus, micro_corpus,
+                                                                                         project):
+    """Both files listed and data.limit_docs=100: the limit now reaches the second file, whose digest
+    the folder's identity lacks; the refusal names the limit, before any work."""
+    folder, args, _ = own_corpus
+    changed = [a for a in args if not a.startswith(("data.files=", "data.limit_docs="))]
+    res = run("stages.score_teacher", *changed, f"data.files=[{micro_corpus[0]},{micro_corpus[1]}]",
+              "data.limit_docs=100", f"hydra.run.dir={project / 'logs' / 'limit'}")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert ("That folder holds corpus 'spacey' scored with data.limit_docs=40, this run asks for data.limit_docs=100: "
+            "give data.limit_docs=40 to go on with it, or overwrite=true (below) to score the new limit there."
+            ) in res.stderr.splitlines(), res.stderr
+    assert "another corpus" not in res.stderr
+
+
 ACTOR_SPEAKS = """
 import ray
 from pipeline.score_teacher.pool import RayConfig, init_ray

@@ -203,6 +203,20 @@ def refuse_mismatch(folder, identity: dict, overwrite: bool = False) -> None:
     refuse_kind_mismatch(folder, identity, SCORED, overwrite, hint=corpus_hint(folder, identity))
 
 
+# The corpus's settings besides its limit: equal in both, a differing data.limit_docs is the difference
+# (the limit decides which files are hashed, so the files' digest differs with it).
+SAME_CORPUS_KEYS = ("name", "source", "hub_id", "hub_config", "split", "revision", "text_column", "rows_per_shard")
+
+
+def limit_hint(name, old_limit, new_limit) -> str:
+    """One line for a folder that holds the same corpus cut at another ``data.limit_docs``."""
+    def limit(n):
+        return "null (every document)" if n is None else str(n)
+    return (f"That folder holds corpus {name!r} scored with data.limit_docs={limit(old_limit)}, this run "
+            f"asks for data.limit_docs={limit(new_limit)}: give data.limit_docs={limit(old_limit)} to go on with it, "
+            "or overwrite=true (below) to score the new limit there.")
+
+
 def corpus_hint(folder, identity: dict) -> str:
     """For a folder that holds another corpus: give this one a name (and so a folder) of its own."""
     path = sfs.child(folder, MANIFEST_NAME)
@@ -213,6 +227,8 @@ def corpus_hint(folder, identity: dict) -> str:
     new = identity.get("corpus", {})
     if not isinstance(old, dict) or not old or all(old.get(k) == new.get(k) for k in ("files_sha256", "source", "hub_id")):
         return ""
+    if old.get("limit_docs") != new.get("limit_docs") and all(old.get(k) == new.get(k) for k in SAME_CORPUS_KEYS):
+        return limit_hint(old.get("name"), old.get("limit_docs"), new.get("limit_docs"))
     return (f"That folder holds another corpus ({old.get('name')!r}): to score yours beside it, give it a name of its "
             "own, data.name=<a name for your corpus> (its folder is named after it).")
 

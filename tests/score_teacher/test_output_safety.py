@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipeline.output_folder import StorageError, set_aside
 from pipeline.score_teacher.job import run_score_job
@@ -55,6 +56,19 @@ def test_your_own_files_with_the_sample_preset_are_refused_before_anything_is_bu
     line = one_line(result, "data.files: your own corpus, while data.name is 'owm-sample'",
                     "data.name=<a name for your corpus> data.embedded=false")
     assert "overwrite" not in line
+    assert not (tmp_path / "scored").exists() and not (tmp_path / "artifacts").exists(), "nothing built or written"
+
+
+def test_your_own_files_with_a_name_of_their_own_ask_only_for_data_embedded_false(tmp_path):
+    """A name given, data.embedded=false forgotten: the one line asks for what is missing, never for the
+    name just given."""
+    assert yaml.safe_load((REPO / "conf" / "data" / "sample.yaml").read_text())["name"] == "owm-sample"  # stages.score_teacher.SAMPLE_NAME
+    corpus = tmp_path / "mine.jsonl"
+    corpus.write_text(json.dumps({"text": "1 + 1 = 2"}) + "\n")
+    result = stage1(tmp_path, "data.name=my-corpus", "data.source=files", f"data.files=[{corpus}]",
+                    f"artifacts_dir={tmp_path / 'artifacts'}", f"output_root={tmp_path / 'scored'}")
+    assert one_line(result) == ("error: data.files: your own corpus 'my-corpus' still has the embedded sample's "
+                                "settings (data=sample, the default): add data.embedded=false to score it as your own")
     assert not (tmp_path / "scored").exists() and not (tmp_path / "artifacts").exists(), "nothing built or written"
 
 
