@@ -357,3 +357,10 @@ def unknown_key(cfg: DictConfig, key: str) -> str:
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in the unit that reads best: s, min or h (the bills' wall times)."""
+    if seconds < 120:
+        return f"{seconds:,.0f} s"
+    return f"{seconds / 60:,.1f} min" if seconds < 7200 else f"{seconds / 3600:,.1f} h"

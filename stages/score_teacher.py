@@ -33,9 +33,17 @@ from pipeline.score_teacher.job import (
     run_score_job,
     score_job_config,
 )
-from pipeline.score_teacher.plan import ScorePlan, plan_score_job
+from pipeline.score_teacher.plan import (
+    REAL_LOSSES_RANGE,
+    ScorePlan,
+    local_actors,
+    measure_decision,
+    plan_score_job,
+    size,
+)
 from stages.common import (
     ConfigError,
+    duration,
     entry_point,
     make_command,
     override,
@@ -160,25 +168,80 @@ def bill_rate(job: ScoreJobConfig) -> tuple[float, str]:
     return REFERENCE_TOKENS_PER_S, "a 7B forward at 70% MFU on an H100; plan_tokens_per_s=<yours> to change it"
 
 
-def print_plan(p: ScorePlan, job: ScoreJobConfig, rate_source: str, console: Console | None = None) -> None:
+def print_plan(p: ScorePlan, job: ScoreJobConfig, rate_source: str | None, console: Console | None = None) -> None:
+    """The bill; ``rate_source``: where ``p.tokens_per_s`` comes from (None: there is no rate)."""
     tokens = (f"{p.teacher_tokens:,} (counted)" if p.counted else
               f"about {p.teacher_tokens:,} ± {p.tokens_error:.1%} (95%; {'; '.join(p.notes)})")
     s = job.storage
     rows = [("REHEARSAL", REHEARSAL_NOTE)] if job.scorer.backend == REHEARSAL_BACKEND else []
+    done = f"{p.shards_done:,} already done" + (" (kept)" if p.shards_done else "")
     rows += [
         ("corpus", f"{p.files:,} file(s), {p.documents:,} documents, {p.text_bytes / 2**30:,.2f} GiB of text"),
-        ("shards", f"{p.shards:,} of up to {job.corpus.rows_per_shard:,} documents; {p.shards_done:,} already done"),
+        ("shards", f"{p.shards:,} of up to {job.corpus.rows_per_shard:,} documents; {done}"),
         ("teacher tokens", tokens),
-        ("on disk", f"about {p.bytes_on_disk / 2**30:,.2f} GiB: {p.bytes_per_token:.2f} bytes per teacher token "
+        ("on disk", f"about {size(p.bytes_on_disk)}: {p.bytes_per_token:.2f} bytes per teacher token "
                     f"({s.encodings} encodings, {s.loss_precision} losses, {s.compression}), measured on "
-                    f"{p.sample_documents:,} documents; {2 * p.shards + 2:,} files"),
-        ("GPU-hours", f"{p.gpu_hours:,.1f} at {p.tokens_per_s:,.0f} teacher tokens/s per GPU ({rate_source}); "
-                      f"{p.gpu_hours / 8:,.1f} h on 8 GPUs"),
+                    f"{p.sample_documents:,} documents; {2 * p.shards + 2:,} files; " + losses_basis(p)),
+        *hours_rows(p, job, rate_source),
     ]
     show_summary("score-teacher: the bill before the run (nothing was scored)", rows, [
         ("the output folder", str(job.output_dir)),
         ("run it", "the same command without plan=true"),
     ], console)
+
+
+def losses_basis(p: ScorePlan) -> str:
+    """Whose losses priced the bytes, and the estimate's error when they were the rehearsal teacher's."""
+    if p.measured and p.measured.get("losses_ratio"):
+        return (f"written in shards of data.rows_per_shard documents; the losses column priced with this teacher's "
+                f"own losses on the {p.measured['n_documents']:,} documents timed ({p.measured['losses_ratio']:.2f}x "
+                "the rehearsal teacher's bytes)")
+    low, high = (p.bytes_on_disk + p.losses_bytes_per_token * (r - 1) * p.teacher_tokens for r in REAL_LOSSES_RANGE)
+    return (f"written in shards of data.rows_per_shard documents; the losses priced with the rehearsal teacher's: "
+            f"real teachers' losses took {REAL_LOSSES_RANGE[0]:.2f}-{REAL_LOSSES_RANGE[1]:.2f}x their bytes (measured), "
+            f"so {size(low)} to {size(high)}; a far weaker teacher's compress better (plan_measure=true prices this one's)")
+
+
+def hours_rows(p: ScorePlan, job: ScoreJobConfig, rate_source: str | None) -> list[tuple[str, str]]:
+    """Actor-hours (GPU-hours when each actor holds a GPU) and the wall time, or why there are none."""
+    if not p.tokens_per_s:
+        return [("wall time", f"no rate: {rate_source}; plan_measure=true times this teacher here, "
+                              "plan_tokens_per_s=<teacher tokens/s of one actor> prices it")]
+    gpu = gpu_priced(job)
+    unit, per = ("GPU-hours", "GPU") if gpu else ("actor-hours", f"actor ({job.pool.num_cpus:g} CPU)")
+    seconds = p.teacher_tokens / p.tokens_per_s
+    actors = local_actors(job)
+    wall = (f"about {duration(seconds / actors)} with the {actors} actor(s) of this machine's local Ray cluster"
+            if actors else f"about {duration(seconds / 8)} on 8 {'GPUs' if gpu else 'actors'}")
+    return [(f"{'GPU' if gpu else 'actor'} time", f"{duration(seconds)} ({seconds / 3600:,.2f} {unit}) at "
+                                                  f"{p.tokens_per_s:,.0f} teacher tokens/s per {per} ({rate_source})"),
+            ("wall time", f"{wall} (scoring only: Ray's start and the teacher's load not included)")]
+
+
+def plan_rate(job: ScoreJobConfig, measure: bool) -> float | None:
+    """The rate the bill is given before any measurement: plan_tokens_per_s; a GPU job the teacher
+    is not measured for, :func:`bill_rate`'s; else none (the measurement's, or no rate)."""
+    if job.plan_tokens_per_s or measure or not gpu_priced(job):
+        return job.plan_tokens_per_s
+    return bill_rate(job)[0]
+
+
+def gpu_priced(job: ScoreJobConfig) -> bool:
+    """Priced in GPU-hours: each actor holds a GPU, or a rehearsal stands in for a GPU teacher."""
+    return job.pool.num_gpus > 0 or job.scorer.backend == REHEARSAL_BACKEND
+
+
+def rate_source(p: ScorePlan, job: ScoreJobConfig, why: str) -> str:
+    if job.plan_tokens_per_s:
+        return "plan_tokens_per_s"
+    m = p.measured
+    if m:
+        return (f"measured here: {m['forwarded']:,} positions of {m['n_documents']:,} documents in {m['seconds']:.1f} s "
+                f"on {m['device']} ({m['backend']}, {m['dtype']}, {m['threads']} torch thread(s)), times the sample's "
+                f"{m['stored_per_forwarded']:.3f} stored tokens per position; {why}")
+    if p.tokens_per_s:
+        return f"{bill_rate(job)[1]}; this teacher not measured: {why}"
+    return f"this CPU job's teacher not measured ({why})"
 
 
 @entry_point("score_teacher", config_defaults(), check=job_config)
@@ -188,14 +251,15 @@ def main(cfg: DictConfig) -> None:
     build_embedded(cfg)
     if job.scorer.backend != REHEARSAL_BACKEND:  # a GGUF teacher: its converted folder (pipeline.model_source)
         job = replace(job, teacher=resolve_gguf_teacher(job.teacher, to_absolute_path(cfg.artifacts_dir)))
-    if job.plan:  # the bill only: no Ray, no model (its tokenizer only)
-        rate, source = bill_rate(job)
-        print_plan(plan_score_job(job, tokens_per_s=rate), job, source)
-        return
     if job.scorer.backend == REHEARSAL_BACKEND:  # no model: only its tokenizer is loaded
         check_tokenizer_source("teacher.model", job.teacher.tokenizer or job.teacher.model, job.teacher.revision)
     else:
         check_teacher_source(job.teacher)  # one clear line, before Ray, if the teacher cannot be had
+    if job.plan:  # the bill only, after the run's own checks: no Ray; the teacher only when measured
+        measure, why = measure_decision(job)
+        p = plan_score_job(job, tokens_per_s=plan_rate(job, measure), measure=measure)
+        print_plan(p, job, rate_source(p, job, why))
+        return
     summary = run_score_job(job)
     print_summary(summary)
     (Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir) / "summary.json").write_text(

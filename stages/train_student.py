@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
-from pipeline.train_student.plan import TrainPlan, plan_training
+from pipeline.train_student.plan import TrainPlan, measure_decision, measure_steps, plan_training
 from pipeline.train_student.run import (
     TrainJobConfig,
     TrainSummary,
@@ -32,7 +32,17 @@ from pipeline.train_student.run import (
     run_training,
     train_job_config,
 )
-from stages.common import ConfigError, entry_point, plain, quiet_libraries, same_path, show_summary, store_row, with_problems
+from stages.common import (
+    ConfigError,
+    duration,
+    entry_point,
+    plain,
+    quiet_libraries,
+    same_path,
+    show_summary,
+    store_row,
+    with_problems,
+)
 from storage_schemas import write_json_atomic
 
 log = logging.getLogger("train_student")
@@ -117,7 +127,8 @@ def started(s: TrainSummary) -> str:
     return f"continued from {start.parent} ({start.name}/, the end of its stable phase)"
 
 
-def print_plan(p: TrainPlan, job: TrainJobConfig, console: Console | None = None) -> None:
+def print_plan(p: TrainPlan, job: TrainJobConfig, measured: dict | None = None, why: str = "",
+               console: Console | None = None) -> None:
     tokens = (f"{p.student_tokens:,} (the length cache holds every shard)" if p.counted else
               f"about {p.student_tokens:,} ± {p.student_tokens_error:.1%} (95%; {'; '.join(p.notes)})")
     asked = f"{p.steps:,} asked for" if p.steps is not None else "one pass (train.max_steps and max_tokens unset)"
@@ -133,8 +144,20 @@ def print_plan(p: TrainPlan, job: TrainJobConfig, console: Console | None = None
     if p.count_seconds is not None:
         rows.append(("first token count", f"about {p.count_seconds / 60:,.1f} min with data.length_workers="
                                           f"{job.data.length_workers} (this machine's speed on the sample)"))
+    rows.append(("wall time", wall_time(p, measured, why)))
     show_summary("train-student: the bill before the run (nothing was trained)", rows, [
         ("run it", "the same command without plan=true")], console)
+
+
+def wall_time(p: TrainPlan, measured: dict | None, why: str) -> str:
+    """The training's wall time from the student's measured step (:func:`measure_steps`), or why there is none."""
+    steps = p.steps if p.steps is not None else p.steps_available
+    if not measured:
+        return f"not measured ({why}); plan_measure=true times a few steps of the student here"
+    m = measured
+    return (f"about {duration(steps * m['step_s'])} for {steps:,} steps at {m['step_s']:.3g} s per step, measured over "
+            f"{m['steps']} steps of the student on {m['device']} ({m['precision']}, {m['threads']} thread(s)) after one "
+            "untimed, on random tokens: the token count, data loading, evaluation and checkpoints not included; " + why)
 
 
 @entry_point("train_student", config_defaults(), check=job_config)
@@ -144,7 +167,10 @@ def main(cfg: DictConfig) -> None:
     build_embedded(cfg)
     check_student_source(job.student)  # one clear line, before any work, if a hub student cannot be had
     if cfg.get("plan"):  # the bill only: the manifests, a sample of documents, the student's tokenizer
-        print_plan(plan_training(job, world_size=int(os.environ.get("WORLD_SIZE", "1"))), job)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        plan = plan_training(job, world_size=world)
+        measure, why = measure_decision(job, cfg.get("plan_measure"), world)
+        print_plan(plan, job, measure_steps(job) if measure else None, why)
         return
     summary = run_training(job)
     if _is_main_process():

@@ -142,7 +142,8 @@ class ScoreJobConfig:
     progress: bool = True
     manifest_every_s: float = 10.0
     plan: bool = False  # print the bill (shards, tokens, bytes, GPU-hours) and stop: no Ray, no model
-    plan_tokens_per_s: float | None = None  # teacher tokens/s of one GPU for the bill's GPU-hours
+    plan_tokens_per_s: float | None = None  # teacher tokens/s of one actor for the bill's hours
+    plan_measure: bool | None = None  # the bill times the actual teacher here; None: when it is small (plan.py)
 
     def problems(self) -> list[str]:
         found: list[str] = []

@@ -8,12 +8,25 @@ and what it will cost, without starting Ray or loading the teacher (its tokenize
   per byte of the text column (as the footers record it, uncompressed) times the corpus's bytes.
   The error is the ratio estimator's: 1.96 standard errors over the sampled row groups (the row
   groups' own spread, corrected for the share sampled), as a share of the estimate.
-* **Bytes on disk**: the sampled documents written as one shard with the job's storage settings
-  (:func:`pipeline.score_teacher.writer.write_shard`), their losses from the rehearsal function
-  (spread as a teacher's: :mod:`pipeline.score_teacher.backends.rehearsal`), so the bytes per
-  teacher token of the chosen encodings, precision and compression, times the tokens.
-* **GPU-hours**: the tokens at ``tokens_per_s`` per GPU (given by the user, or what ``make
-  gpu-bench`` measured; the front end says which).
+* **The run's checks first**: the job is prepared as the run prepares it
+  (:func:`pipeline.score_teacher.job.prepare`: the window against the teacher's positions, the
+  stride, a served teacher, the identity) and the output folder checked as the run checks it, so a
+  job the run would refuse is refused here with the run's own error; ``shards_done`` counts what
+  the run would keep (none when ``overwrite`` rescores a folder of another setup).
+* **Bytes on disk**: the sampled documents written as the run writes them, in shards of
+  ``data.rows_per_shard`` documents with the job's storage settings and identity, each with its
+  marker (:func:`pipeline.score_teacher.writer.write_shard`; a small shard compresses worse), their
+  losses from the rehearsal function (spread as a teacher's:
+  :mod:`pipeline.score_teacher.backends.rehearsal`): their bytes per teacher token times the
+  tokens. A real teacher's losses column takes another size than the
+  rehearsal's: when the teacher was timed (below), the losses column's bytes are scaled by the
+  ratio of its losses' bytes to the rehearsal's on the documents it scored (the sample's shorter
+  ones: within ~4% of the whole figure for the tiny teacher on real text); otherwise the bill gives
+  the range measured for real teachers (:data:`REAL_LOSSES_RANGE`).
+* **Wall time**: with ``measure``, the actual teacher on the actual device times a few chunks of
+  the sampled documents (:func:`measure_teacher`): its teacher tokens per second per actor. Else
+  the tokens at ``tokens_per_s`` per actor (given by the user, or what ``make gpu-bench`` measured;
+  the front end says which).
 """
 
 from __future__ import annotations
@@ -27,8 +40,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline.cpu_threads import threads_for, torch_threads
 from pipeline.score_teacher.backends.base import ScorerConfig
+from pipeline.score_teacher.backends.factory import make_scorer
 from pipeline.score_teacher.backends.rehearsal import RehearsalScorer
+from pipeline.score_teacher.backends.server import api_key
 from pipeline.score_teacher.corpus import (
     Document,
     ShardSpec,
@@ -38,13 +54,22 @@ from pipeline.score_teacher.corpus import (
     read_shard,
     resolve_sources,
 )
+from pipeline.score_teacher.job import Prepared, _refuse_early, prepare
 from pipeline.score_teacher.teacher import ShardResult, WindowSettings, score_documents
-from pipeline.score_teacher.writer import finished_shards, write_shard
-from pipeline.tokenization import bos_token_id, load_tokenizer
+from pipeline.score_teacher.writer import SCORED, finished_shards, write_shard
+from pipeline.shard_folder import folder_problem
+from pipeline.tokenization import load_tokenizer
+from pipeline.windows import plan_windows
 from storage_schemas import filesystem as sfs
 
 COUNT_BYTES = 64 * 2**20  # text up to this size is counted whole
 SAMPLE_BYTES = 16 * 2**20  # else about this much text is tokenized
+MEASURE_S = 5.0  # a measured teacher is timed at least this long
+CHUNK_TOKENS = 1024  # teacher tokens per timed chunk (at most; never more than the window)
+# A real teacher's losses column against the rehearsal's, bytes per token at the default storage
+# settings, the same documents in one shard: the embedded tiny teacher 0.96x (542,219 tokens),
+# SmolLM2-135M 1.10x (399,472 tokens), on the real-math corpus of make repro-real. The bill's range.
+REAL_LOSSES_RANGE = (0.96, 1.10)
 
 
 @dataclass
@@ -64,9 +89,11 @@ class ScorePlan:
     bytes_per_token: float
     bytes_on_disk: int
     tokens_per_s: float | None
-    gpu_hours: float | None
+    gpu_hours: float | None  # actor-hours at tokens_per_s (GPU-hours when each actor holds one GPU)
     seconds: float
     notes: list[str] = field(default_factory=list)
+    measured: dict | None = None  # the teacher's own measurement (measure_teacher), None: not measured
+    losses_bytes_per_token: float = 0.0  # of the losses column (the rehearsal teacher's), in bytes_per_token
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -142,47 +169,209 @@ def _group_documents(group: TextGroup, index: int, text_column: str) -> list[Doc
 
 
 def plan_score_job(cfg, tokens_per_s: float | None = None, count_bytes: int = COUNT_BYTES,
-                   sample_bytes: int = SAMPLE_BYTES) -> ScorePlan:
-    """The bill of the job ``cfg`` (a :class:`pipeline.score_teacher.job.ScoreJobConfig`; module docstring)."""
+                   sample_bytes: int = SAMPLE_BYTES, measure: bool = False, measure_s: float = MEASURE_S) -> ScorePlan:
+    """The bill of the job ``cfg`` (a :class:`pipeline.score_teacher.job.ScoreJobConfig`; module docstring).
+    Raises what the run would raise before its first shard (a window past the teacher's positions,
+    a folder scored with another setup...). With ``measure`` the teacher is loaded and timed, and
+    its rate replaces ``tokens_per_s`` unless that was given."""
     t0 = time.perf_counter()
+    prepared = prepare(cfg)  # the run's own checks, in the run's order
+    _refuse_early(cfg, prepared)
     sources = resolve_sources(cfg.corpus)
-    shards = plan_shards(sources, cfg.corpus.rows_per_shard, cfg.corpus.limit_docs)
-    done = finished_shards(cfg.output_dir) if sfs.is_dir(cfg.output_dir) else {}
+    shards = prepared.shards
+    done = _kept_shards(cfg, prepared)
     tokenizer = load_tokenizer(cfg.teacher.tokenizer or cfg.teacher.model, revision=cfg.teacher.revision,
                                trust_remote_code=cfg.teacher.trust_remote_code)
     groups = text_groups(sources, cfg.corpus.text_column, cfg.corpus.limit_docs)
     total_bytes = sum(g.text_bytes for g in groups)
     counted = total_bytes <= count_bytes
     picked = sample_groups(groups, total_bytes if counted else sample_bytes)
-    window = cfg.teacher.window or 4096  # the count does not depend on it: windows only group the tokens
-    settings = WindowSettings(window=window, stride=cfg.teacher.stride or window // 2, bos_id=bos_token_id(tokenizer))
-    scorer = RehearsalScorer(ScorerConfig(backend="rehearsal", window=window))
-    tokens, sizes, documents = [], [], []
+    settings = prepared.settings  # the run's window and stride (the count does not depend on them)
+    scorer = RehearsalScorer(ScorerConfig(backend="rehearsal", window=settings.window))
+    tokens, sizes, documents, raw = [], [], [], []
     for i in picked:
-        result = score_documents(_group_documents(groups[i], i, cfg.corpus.text_column), tokenizer, scorer, settings)
+        read = _group_documents(groups[i], i, cfg.corpus.text_column)
+        result = score_documents(read, tokenizer, scorer, settings)
         tokens.append(sum(len(d.ids) for d in result.documents))
         sizes.append(groups[i].text_bytes)
         documents += result.documents
+        raw += read
     teacher_tokens, error = (sum(tokens), 0.0) if counted else ratio_estimate(
         np.asarray(tokens, float), np.asarray(sizes, float), total_bytes, len(groups))
-    per_token = _bytes_per_token(documents, cfg)
+    per_token, losses_per_token = _disk_model(documents, cfg, prepared.identity)
+    measured = measure_teacher(cfg, prepared, tokenizer, raw, documents, measure_s) if measure else None
+    if measured and measured["documents"]:  # the teacher's losses against the rehearsal's, same documents
+        rehearsed = score_documents(measured["raw"], tokenizer, scorer, settings).documents
+        rehearsal_losses = _bytes_per_token(rehearsed, cfg, prepared.identity)[1]
+        if rehearsal_losses > 0:  # the losses column scaled by the teacher's own bytes against the rehearsal's
+            measured["losses_ratio"] = _bytes_per_token(measured["documents"], cfg, prepared.identity)[1] / rehearsal_losses
+            per_token += losses_per_token * (measured["losses_ratio"] - 1)
+    if measured:
+        measured = {k: v for k, v in measured.items() if k not in ("documents", "raw")}
+        tokens_per_s = tokens_per_s or measured["tokens_per_s"] or None
     gpu_hours = teacher_tokens / tokens_per_s / 3600 if tokens_per_s else None
     notes = [] if counted else [f"teacher tokens estimated from {len(picked)} of {len(groups)} row groups "
                                 f"({sum(sizes) / 2**20:,.1f} MiB of text)"]
     return ScorePlan(files=len(sources), shards=len(shards), shards_done=len(done),
                      documents=sum(s.stop - s.start for s in shards), text_bytes=total_bytes,
                      teacher_tokens=int(round(teacher_tokens)), counted=counted, tokens_error=error,
-                     sample_groups=len(picked), sample_documents=len(documents), bytes_per_token=per_token,
-                     bytes_on_disk=int(per_token * teacher_tokens), tokens_per_s=tokens_per_s, gpu_hours=gpu_hours,
-                     seconds=time.perf_counter() - t0, notes=notes)
+                     sample_groups=len(picked), sample_documents=len(documents),
+                     bytes_per_token=per_token, bytes_on_disk=int(per_token * teacher_tokens), tokens_per_s=tokens_per_s,
+                     gpu_hours=gpu_hours,
+                     seconds=time.perf_counter() - t0, notes=notes, measured=measured,
+                     losses_bytes_per_token=losses_per_token)
 
 
-def _bytes_per_token(documents: list, cfg) -> float:
-    """Bytes per teacher token of ``documents`` written as one shard with the job's storage settings."""
+def _kept_shards(cfg, prepared: Prepared) -> dict:
+    """The finished shards the run would keep: none in a folder that ``overwrite`` rescores."""
+    if not sfs.is_dir(cfg.output_dir):
+        return {}
+    if cfg.overwrite and folder_problem(cfg.output_dir, prepared.identity, SCORED):
+        return {}
+    return finished_shards(cfg.output_dir)
+
+
+def forwarded_tokens(documents: list, settings: WindowSettings) -> int:
+    """Positions the teacher forwards for ``documents`` (scored ones): every window of each
+    document's ``[BOS] + ids`` as the run plans them, overlaps included."""
+    bos = int(settings.bos_id is not None)
+    return sum(w.stop - w.start for d in documents
+               for w in plan_windows(len(d.ids) + bos, settings.window, settings.stride))
+
+
+def measure_teacher(cfg, prepared: Prepared, tokenizer, raw: list[Document], scored: list,
+                    measure_s: float = MEASURE_S) -> dict:
+    """The actual teacher's speed here: the scorer the run's actors build (with their torch threads)
+    scores chunks of the sampled documents ``raw`` (``scored``: the same, scored by the rehearsal,
+    for their token counts), each of documents no longer than :data:`CHUNK_TOKENS` (and the
+    window) adding up to about that many, until ``measure_s`` seconds have been timed; on a GPU one
+    untimed chunk first. The speed in forwarded positions per second is turned into stored teacher
+    tokens per second by the whole sample's stored/forwarded ratio, so long documents' overlapping
+    windows cost what they cost in the run."""
+    settings = prepared.settings
+    threads = threads_for(cfg.pool.num_cpus)
+    l0 = time.perf_counter()
+    with torch_threads(threads):
+        key = api_key(cfg.scorer) if cfg.scorer.backend == "server" else None  # read as the run's driver reads it
+        scorer = make_scorer(prepared.scorer, key)
+        load_s = time.perf_counter() - l0
+        device = scorer.describe().get("device") or "the device"
+        chunks = _chunks(raw, scored, CHUNK_TOKENS if device == "cpu" else cfg.scorer.max_batch_tokens)
+        if device != "cpu" and len(chunks) > 1:
+            score_documents(chunks.pop(0), tokenizer, scorer, settings)  # warm-up: not timed
+        timed, done, used = 0.0, [], []
+        for chunk in chunks:
+            t0 = time.perf_counter()
+            result = score_documents(chunk, tokenizer, scorer, settings)
+            timed += time.perf_counter() - t0
+            done += result.documents
+            used += chunk
+            if timed >= measure_s:
+                break
+    forwarded = forwarded_tokens(done, settings)
+    stored_per_forwarded = sum(len(d.ids) for d in scored) / max(forwarded_tokens(scored, settings), 1)
+    return {"tokens_per_s": forwarded / max(timed, 1e-9) * stored_per_forwarded, "forwarded": forwarded,
+            "stored_per_forwarded": stored_per_forwarded, "seconds": timed, "load_s": load_s,
+            "n_documents": len(used), "device": device, "dtype": scorer.describe().get("dtype") or cfg.scorer.dtype,
+            "backend": cfg.scorer.backend, "threads": threads, "documents": done, "raw": used}
+
+
+def _chunks(raw: list[Document], scored: list, budget: int) -> list[list[Document]]:
+    """``raw`` in chunks of documents of at most ``budget`` teacher tokens in all, each no longer
+    than ``budget`` (the shortest alone when none is that short)."""
+    sizes = {d.doc_id: len(d.ids) for d in scored}
+    fits = [d for d in raw if 0 < sizes.get(d.doc_id, 0) <= budget]
+    if not fits:
+        nonempty = [d for d in raw if sizes.get(d.doc_id, 0) > 0]
+        return [[min(nonempty, key=lambda d: sizes[d.doc_id])]] if nonempty else []
+    chunks, chunk, size = [], [], 0
+    for doc in fits:
+        if size + sizes[doc.doc_id] > budget and chunk:
+            chunks.append(chunk)
+            chunk, size = [], 0
+        chunk.append(doc)
+        size += sizes[doc.doc_id]
+    return chunks + ([chunk] if chunk else [])
+
+
+def teacher_parameters(teacher) -> int | None:
+    """About how many parameters the teacher has, from its config alone (None: it does not say):
+    embeddings plus 4 h^2 of attention and 3 h x intermediate of MLP per layer."""
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.from_pretrained(teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code)
+    except Exception:  # noqa: BLE001 - the run's own check has passed; a config it cannot read is just not sized
+        return None
+    c = getattr(c, "text_config", None) or c
+    h, layers = getattr(c, "hidden_size", None), getattr(c, "num_hidden_layers", None)
+    if not h or not layers:
+        return None
+    mlp = getattr(c, "intermediate_size", None) or 4 * h
+    return int(layers * (4 * h * h + 3 * h * mlp) + (getattr(c, "vocab_size", 0) or 0) * h)
+
+
+def _disk_model(documents: list, cfg, identity: dict) -> tuple[float, float]:
+    """Bytes per teacher token (in all, and of the losses column) of ``documents`` written as the
+    run writes them: shards of ``data.rows_per_shard`` documents with the job's storage settings and
+    identity, each with its marker (a shard's size changes how well it compresses)."""
+    rows = max(1, cfg.corpus.rows_per_shard)
+    parts = [documents[i:i + rows] for i in range(0, len(documents), rows)]
     tokens = sum(len(d.ids) for d in documents)
     if not tokens:
-        return 0.0
-    identity = {"teacher": {"name": cfg.teacher.name}, "loss_precision": cfg.storage.loss_precision}
+        return 0.0, 0.0
+    sums = np.zeros(2)
+    for part in parts:
+        sums += np.asarray(_bytes_per_token(part, cfg, identity)) * sum(len(d.ids) for d in part)
+    return float(sums[0] / tokens), float(sums[1] / tokens)
+
+
+def _bytes_per_token(documents: list, cfg, identity: dict) -> tuple[float, float]:
+    """Bytes per teacher token of ``documents`` written as one shard with the job's storage settings
+    and ``identity`` (the footer holds it): in all (marker included), and of the losses column alone."""
+    tokens = sum(len(d.ids) for d in documents)
+    if not tokens:
+        return 0.0, 0.0
     with tempfile.TemporaryDirectory(prefix="plan-") as scratch:
         entry = write_shard(scratch, 0, ShardResult(documents=documents), identity, {}, "plan", storage=cfg.storage)
-        return (entry["bytes"] + os.path.getsize(os.path.join(scratch, "shard-000000.done.json"))) / tokens
+        meta = pq.ParquetFile(os.path.join(scratch, "shard-000000.parquet")).metadata
+        losses = sum(meta.row_group(g).column(c).total_compressed_size for g in range(meta.num_row_groups)
+                     for c in range(meta.num_columns) if meta.schema.column(c).path.startswith("losses"))
+        return (entry["bytes"] + os.path.getsize(os.path.join(scratch, "shard-000000.done.json"))) / tokens, losses / tokens
+
+
+MEASURE_MAX_PARAMETERS = 1_000_000_000  # plan_measure unset: a teacher up to this size is loaded and timed
+
+
+def measure_decision(cfg) -> tuple[bool, str]:
+    """Whether the bill times the actual teacher here, and why (``plan_measure``; unset: a
+    transformers teacher of at most :data:`MEASURE_MAX_PARAMETERS` parameters, which loads in
+    seconds on a CPU; a 7B teacher is never loaded just to plan unless asked)."""
+    if cfg.plan_measure is not None:
+        return bool(cfg.plan_measure), f"plan_measure={str(bool(cfg.plan_measure)).lower()}"
+    if cfg.scorer.backend != "transformers":
+        return False, f"scorer.backend={cfg.scorer.backend} is not loaded to plan"
+    params = teacher_parameters(cfg.teacher)
+    if params is None:
+        return False, "its config gives no size"
+    if params > MEASURE_MAX_PARAMETERS:
+        return False, f"a teacher of about {params / 1e9:,.1f}B parameters is not loaded to plan"
+    return True, f"a teacher of about {params:,.2g} parameters, measured unless plan_measure=false"
+
+
+def local_actors(cfg) -> int | None:
+    """The actors the run starts on this machine's local Ray cluster (None: it joins a cluster)."""
+    if cfg.ray.address is not None:
+        return None
+    import torch
+
+    from pipeline.score_teacher.pool import actors_per_node
+
+    have = {"CPU": float(cfg.ray.num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+    fits = actors_per_node(have, cfg.pool.per_actor())
+    return min(cfg.pool.num_actors or fits, fits) or None
+
+
+def size(n: float) -> str:
+    """``n`` bytes in MiB below a GiB, else GiB."""
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.held_out_shards import hold_out
 from pipeline.several_teachers import group_folders
 from pipeline.student_side import count_tokens, sample_documents_of
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
@@ -81,10 +82,14 @@ def plan_training(job: TrainJobConfig, world_size: int = 1, sample_documents: in
     d, t = job.data, job.train
     groups = group_folders(d.folders)
     opened = [ScoredDataset.open(f) for f in groups[0]]
+    if d.held_out_shards:  # the shards the run never trains on, refused as the run refuses them
+        firsts = hold_out([opened[0], *(ScoredDataset.open(g[0]) for g in groups[1:])], d.held_out_shards)
+        opened[0] = firsts[0]
     shards = [s for o in opened for s in o.shards]
-    entries = {sfs.name(s.path): e for o in opened for e, s in zip(o.entries, o.shards)}
-    documents = sum(int(e.get("rows", 0)) for e in entries.values())
-    teacher_tokens = sum(int(e.get("tokens", 0)) for e in entries.values())
+    entries = [e for o in opened for kept in [{sfs.name(s.path) for s in o.shards}]  # each folder's own
+               for e in o.entries if sfs.name(e["file"]) in kept]
+    documents = sum(int(e.get("rows", 0)) for e in entries)
+    teacher_tokens = sum(int(e.get("tokens", 0)) for e in entries)
     tokenizer = load_tokenizer(job.student.tokenizer or job.student.model, revision=job.student.revision,
                                trust_remote_code=job.student.trust_remote_code)
     notes = []
@@ -120,3 +125,86 @@ def plan_training(job: TrainJobConfig, world_size: int = 1, sample_documents: in
                      sample_documents=int(student_counts.size), stream_tokens=stream, samples=samples,
                      samples_per_step=per_step, tokens_per_step=tokens_per_step, steps_available=available,
                      steps=steps, count_seconds=count_seconds, seconds=time.perf_counter() - t0, notes=notes)
+
+
+MEASURE_STEP_FLOP = {"cpu": 1e12, "cuda": 2e15}  # plan_measure unset: a step up to this many FLOPs is timed
+
+
+def step_flop(job: TrainJobConfig, world_size: int = 1) -> float | None:
+    """About 6 x parameters x tokens per optimizer step of this process (forward and backward),
+    the parameters from the student's config (None: it does not say)."""
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.from_pretrained(job.student.model, revision=job.student.revision,
+                                       trust_remote_code=job.student.trust_remote_code)
+    except Exception:  # noqa: BLE001 - the run's own checks have passed; a config it cannot read is just not sized
+        return None
+    h, layers = getattr(c, "hidden_size", None), getattr(c, "num_hidden_layers", None)
+    if not h or not layers:
+        return None
+    params = layers * (4 * h * h + 3 * h * (getattr(c, "intermediate_size", None) or 4 * h)) + 2 * c.vocab_size * h
+    accumulation, _ = batch_geometry(job, world_size)
+    return 6.0 * params * job.train.micro_batch_size * job.student.seq_len * accumulation
+
+
+def measure_decision(job: TrainJobConfig, measure: bool | None, world_size: int = 1) -> tuple[bool, str]:
+    """Whether the bill times the student's steps here, and why (``plan_measure``; unset: when one
+    step is at most :data:`MEASURE_STEP_FLOP` of this device, a few seconds)."""
+    if measure is not None:
+        return bool(measure), f"plan_measure={str(bool(measure)).lower()}"
+    flop = step_flop(job, world_size)
+    if flop is None:
+        return False, "the student's config gives no size"
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not job.train.use_cpu else "cpu"
+    if flop > MEASURE_STEP_FLOP[device]:
+        return False, f"one step is about {flop:.2g} FLOPs, too many to time on {device} just to plan"
+    return True, f"one step is about {flop:.2g} FLOPs"
+
+
+def measure_steps(job: TrainJobConfig, steps: int = 3) -> dict:
+    """Seconds per optimizer step of the actual student on this machine's device: the model loaded
+    as the run loads it, micro-batches of random token ids of ``seq_len``, forward, a cross-entropy
+    over every position, backward, and AdamW every ``accumulation`` micro-batches, in the run's
+    precision and CPU threads; one untimed step, then ``steps`` timed. Data loading, alignment,
+    evaluation and checkpoints are not in it."""
+    import torch
+
+    from pipeline.train_student.run import _cpu_threads, _on_gpu, _precision, load_student
+
+    accumulation, _ = batch_geometry(job, 1)
+    device = torch.device("cuda" if _on_gpu(job.train) else "cpu")
+    precision = _precision(job.train)
+    dtype = torch.bfloat16 if precision["bf16"] else torch.float16 if precision["fp16"] else None
+    with _cpu_threads(job.train.cpu_threads):
+        t0 = time.perf_counter()
+        model = load_student(job.student, 0).to(device)
+        load_s = time.perf_counter() - t0
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        vocab = model.get_input_embeddings().weight.shape[0]
+        generator = torch.Generator().manual_seed(0)
+        shape = (job.train.micro_batch_size, job.student.seq_len)
+
+        def step() -> None:
+            for _ in range(accumulation):
+                ids = torch.randint(0, vocab, shape, generator=generator).to(device)
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    logits = model(input_ids=ids).logits
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+                (loss / accumulation).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        step()  # warm-up: not timed
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        seconds = (time.perf_counter() - t0) / steps
+        threads = torch.get_num_threads()
+    return {"step_s": seconds, "steps": steps, "load_s": load_s, "device": device.type, "threads": threads,
+            "precision": "bf16" if precision["bf16"] else "fp16" if precision["fp16"] else "fp32"}

@@ -343,7 +343,7 @@ def run_folder_problem(job: TrainJobConfig) -> str | None:
 LOSS_ALIGNMENT_KEYS = {"alignment": "method"}
 STUDENT_RECIPE_KEYS = ("embedded", "build")  # the embedded student's build, for the front end
 DATA_NAMING_KEYS = ("corpus", "teacher")  # name the default folders and the run
-FRONT_END_KEYS = ("artifacts_dir", "scored_root", "student_root", "run_name", "hydra", "plan")
+FRONT_END_KEYS = ("artifacts_dir", "scored_root", "student_root", "run_name", "hydra", "plan", "plan_measure")
 
 
 def config_defaults() -> dict:

@@ -40,7 +40,7 @@ def brute_force_tokens(teacher: Path, corpus) -> tuple[int, int]:
 
 
 def test_a_small_corpus_is_counted_exactly(micro_teacher, micro_corpus, micro_scored, tmp_path):
-    plan = plan_score_job(job(micro_teacher, micro_corpus, tmp_path / "none"), tokens_per_s=1000.0)
+    plan = plan_score_job(job(micro_teacher, micro_corpus, tmp_path / "none"), tokens_per_s=1000.0, measure=True)
     tokens, stored = brute_force_tokens(micro_teacher, micro_corpus)
     assert plan.counted and plan.tokens_error == 0 and plan.teacher_tokens == tokens
     assert (plan.files, plan.documents, plan.shards, plan.shards_done) == (2, 160, 4, 0) and plan.sample_documents == stored
@@ -54,7 +54,9 @@ def test_a_small_corpus_is_counted_exactly(micro_teacher, micro_corpus, micro_sc
 
 
 def test_a_large_corpus_is_estimated_within_its_error(micro_teacher, micro_corpus, micro_scored, tmp_path):
-    plan = plan_score_job(job(micro_teacher, micro_corpus, micro_scored), count_bytes=0, sample_bytes=60_000)
+    scored_as = job(micro_teacher, micro_corpus, micro_scored)  # the folder's own windows (64, stride 32): else refused
+    scored_as = replace(scored_as, teacher=replace(scored_as.teacher, stride=32))
+    plan = plan_score_job(scored_as, count_bytes=0, sample_bytes=60_000)
     tokens, _ = brute_force_tokens(micro_teacher, micro_corpus)
     assert not plan.counted and 0 < plan.sample_groups < 8 and plan.gpu_hours is None
     assert abs(plan.teacher_tokens - tokens) <= 2 * plan.tokens_error * tokens + 1, (plan.teacher_tokens, tokens, plan.tokens_error)
@@ -62,7 +64,7 @@ def test_a_large_corpus_is_estimated_within_its_error(micro_teacher, micro_corpu
 
 
 def test_plan_true_prints_the_bill_and_starts_nothing(micro_teacher, micro_corpus, tmp_path):
-    env = {**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1", "COLUMNS": "400"}
     args = ["teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.window=64", "teacher.stride=48",
             "data=open-web-math", "data.source=files", "data.hub_id=null", f"data.files=[{micro_corpus[0]}]",
             f"output_root={tmp_path / 'scored'}", "plan=true", "plan_tokens_per_s=5000", f"hydra.run.dir={tmp_path}/logs"]
@@ -71,7 +73,7 @@ def test_plan_true_prints_the_bill_and_starts_nothing(micro_teacher, micro_corpu
     assert result.returncode == 0, result.stderr[-3000:]
     out = " ".join(result.stdout.split())
     assert "the bill before the run (nothing was scored)" in out and "(counted)" in out
-    assert "at 5,000 teacher tokens/s per GPU (plan_tokens_per_s)" in out
+    assert "at 5,000 teacher tokens/s per actor (1 CPU) (plan_tokens_per_s)" in out  # a CPU job: per actor
     assert not (tmp_path / "scored").exists() and "ray" not in result.stderr.lower()
 
 
