@@ -210,7 +210,8 @@ def hours_rows(p: ScorePlan, job: ScoreJobConfig, rate_source: str | None) -> li
     gpu = gpu_priced(job)
     unit, per = ("GPU-hours", "GPU") if gpu else ("actor-hours", f"actor ({job.pool.num_cpus:g} CPU)")
     seconds = p.teacher_tokens / p.tokens_per_s
-    actors = local_actors(job)
+    # a rehearsal priced at a GPU's rate stands for the real teacher's GPUs, not this machine's actors
+    actors = None if job.scorer.backend == REHEARSAL_BACKEND and not p.measured else local_actors(job)
     wall = (f"about {duration(seconds / actors)} with the {actors} actor(s) of this machine's local Ray cluster"
             if actors else f"about {duration(seconds / 8)} on 8 {'GPUs' if gpu else 'actors'}")
     return [(f"{'GPU' if gpu else 'actor'} time", f"{duration(seconds)} ({seconds / 3600:,.2f} {unit}) at "

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.parquet as pq
+import torch
+from transformers import AutoConfig
 
 from pipeline.cpu_threads import threads_for, torch_threads
 from pipeline.score_teacher.backends.base import ScorerConfig
@@ -50,11 +52,11 @@ from pipeline.score_teacher.corpus import (
     ShardSpec,
     SourceFile,
     open_location,
-    plan_shards,
     read_shard,
     resolve_sources,
 )
 from pipeline.score_teacher.job import Prepared, _refuse_early, prepare
+from pipeline.score_teacher.pool import actors_per_node
 from pipeline.score_teacher.teacher import ShardResult, WindowSettings, score_documents
 from pipeline.score_teacher.writer import SCORED, finished_shards, write_shard
 from pipeline.shard_folder import folder_problem
@@ -297,8 +299,6 @@ def _chunks(raw: list[Document], scored: list, budget: int) -> list[list[Documen
 def teacher_parameters(teacher) -> int | None:
     """About how many parameters the teacher has, from its config alone (None: it does not say):
     embeddings plus 4 h^2 of attention and 3 h x intermediate of MLP per layer."""
-    from transformers import AutoConfig
-
     try:
         c = AutoConfig.from_pretrained(teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code)
     except Exception:  # noqa: BLE001 - the run's own check has passed; a config it cannot read is just not sized
@@ -363,10 +363,6 @@ def local_actors(cfg) -> int | None:
     """The actors the run starts on this machine's local Ray cluster (None: it joins a cluster)."""
     if cfg.ray.address is not None:
         return None
-    import torch
-
-    from pipeline.score_teacher.pool import actors_per_node
-
     have = {"CPU": float(cfg.ray.num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
     fits = actors_per_node(have, cfg.pool.per_actor())
     return min(cfg.pool.num_actors or fits, fits) or None

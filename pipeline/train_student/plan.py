@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
+from transformers import AutoConfig
 
 from pipeline.held_out_shards import hold_out
 from pipeline.several_teachers import group_folders
 from pipeline.student_side import count_tokens, sample_documents_of
 from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
-from pipeline.train_student.run import TrainJobConfig, batch_geometry
+from pipeline.train_student.run import TrainJobConfig, _cpu_threads, _on_gpu, _precision, batch_geometry, load_student
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset, read_row_group
 
@@ -133,8 +135,6 @@ MEASURE_STEP_FLOP = {"cpu": 1e12, "cuda": 2e15}  # plan_measure unset: a step up
 def step_flop(job: TrainJobConfig, world_size: int = 1) -> float | None:
     """About 6 x parameters x tokens per optimizer step of this process (forward and backward),
     the parameters from the student's config (None: it does not say)."""
-    from transformers import AutoConfig
-
     try:
         c = AutoConfig.from_pretrained(job.student.model, revision=job.student.revision,
                                        trust_remote_code=job.student.trust_remote_code)
@@ -156,8 +156,6 @@ def measure_decision(job: TrainJobConfig, measure: bool | None, world_size: int 
     flop = step_flop(job, world_size)
     if flop is None:
         return False, "the student's config gives no size"
-    import torch
-
     device = "cuda" if torch.cuda.is_available() and not job.train.use_cpu else "cpu"
     if flop > MEASURE_STEP_FLOP[device]:
         return False, f"one step is about {flop:.2g} FLOPs, too many to time on {device} just to plan"
@@ -170,10 +168,6 @@ def measure_steps(job: TrainJobConfig, steps: int = 3) -> dict:
     over every position, backward, and AdamW every ``accumulation`` micro-batches, in the run's
     precision and CPU threads; one untimed step, then ``steps`` timed. Data loading, alignment,
     evaluation and checkpoints are not in it."""
-    import torch
-
-    from pipeline.train_student.run import _cpu_threads, _on_gpu, _precision, load_student
-
     accumulation, _ = batch_geometry(job, 1)
     device = torch.device("cuda" if _on_gpu(job.train) else "cpu")
     precision = _precision(job.train)

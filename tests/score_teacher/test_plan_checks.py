@@ -69,7 +69,7 @@ def test_the_bill_measures_a_small_teacher_and_its_bytes_land_in_its_range(micro
     found = re.search(r"at ([\d,]+) teacher tokens/s per actor \(1 CPU\) \(measured here: ([\d,]+) positions of "
                       r"([\d,]+) documents in ([\d.]+) s on cpu", out)
     assert found, out[-3000:]
-    assert float(found.group(4)) >= 1.0 and int(found.group(2).replace(",", "")) > 0
+    assert float(found.group(4)) > 0 and int(found.group(2).replace(",", "")) > 0  # timed: all 76 short documents, or 5 s
     assert re.search(r"wall time\W+about [\d.,]+ (s|min|h) with the \d actor\(s\) of this machine", out)
     per_token = float(re.search(r"([\d.]+) bytes per teacher token", out).group(1))
     real = json.loads((micro_scored / "manifest.json").read_text())["totals"]
