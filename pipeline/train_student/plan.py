@@ -143,7 +143,7 @@ def step_flop(job: TrainJobConfig, world_size: int = 1) -> float | None:
     h, layers = getattr(c, "hidden_size", None), getattr(c, "num_hidden_layers", None)
     if not h or not layers:
         return None
-    params = layers * (4 * h * h + 3 * h * (getattr(c, "intermediate_size", None) or 4 * h)) + 2 * c.vocab_size * h
+    params = layers * (4 * h * h + 3 * h * (getattr(c, "intermediate_size", None) or 4 * h)) + 2 * (getattr(c, "vocab_size", 0) or 0) * h
     accumulation, _ = batch_geometry(job, world_size)
     return 6.0 * params * job.train.micro_batch_size * job.student.seq_len * accumulation
 

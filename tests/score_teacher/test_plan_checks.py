@@ -54,6 +54,11 @@ def test_the_plan_of_a_finished_folder_keeps_its_shards(micro_teacher, micro_cor
                   "teacher.stride=32", "plan=true", "plan_measure=false")
     assert same.returncode == 0, same.stderr[-2000:]
     assert "4 of up to 40 documents; 4 already done (kept)" in flat(same.stdout)
+    rescored = stage1(micro_teacher, micro_corpus, micro_scored, tmp_path / "logs-2", "teacher.window=48",
+                      "overwrite=true", "plan=true", "plan_measure=false")  # the run would rescore every shard
+    assert rescored.returncode == 0, rescored.stderr[-2000:]
+    assert "4 of up to 40 documents; 0 already done" in flat(rescored.stdout)
+    assert json.loads((micro_scored / "manifest.json").read_text())["identity"]["windows"]["window"] == 64  # untouched
 
 
 def test_the_bill_measures_a_small_teacher_and_its_bytes_land_in_its_range(micro_teacher, micro_corpus, micro_scored,
