@@ -19,6 +19,7 @@ actor and backend then reads as any folder (docs/real-models.md).
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shutil
@@ -93,8 +94,37 @@ def _error(source, problem: str, ways_out: bool = True) -> TeacherSourceError:
                  f"then run with the same HF_HOME, HF_HUB_OFFLINE=1 works)")
     if "/" in source.model and not os.path.exists(os.path.expanduser(source.model)):
         text += (f"; read as a hub id: as a local path it does not exist ({os.path.abspath(source.model)}), "
-                 f"and a relative one is written ./{source.model}")
+                 f"and a relative one is written ./{source.model}") + nearby_text(source.model)
     return TeacherSourceError(text)
+
+
+def nearby_paths(value: str, n: int = 3) -> list[str]:
+    """Existing files or folders whose names are close to a path that does not exist: the entries of
+    its deepest existing folder nearest its first missing part (difflib), each followed down the
+    rest of the path where that exists; written as the path was (relative ones with ``./``)."""
+    parts = Path(os.path.expanduser(value)).parts
+    for depth in range(len(parts) - 1, -1, -1):
+        base = Path(*parts[:depth]) if depth else Path(".")
+        if base.is_dir():
+            break
+    else:
+        return []
+    try:
+        names = [e for e in os.listdir(base) if not e.startswith(".")]
+    except OSError:
+        return []
+    found = []
+    for name in difflib.get_close_matches(parts[depth], names, n=n, cutoff=0.6):
+        rest = base / name / Path(*parts[depth + 1:]) if depth + 1 < len(parts) else base / name
+        path = rest if rest.exists() else base / name
+        found.append(str(path) if path.is_absolute() else "./" + path.as_posix())
+    return found
+
+
+def nearby_text(value: str) -> str:
+    """``; nearest existing: ...`` for a path that does not exist ("" when nothing is close)."""
+    close = nearby_paths(value)
+    return f"; nearest existing: {', '.join(close)}" if close else ""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -119,7 +149,7 @@ def local_model_problem(setting: str, value) -> str | None:
         return None
     path = Path(os.path.expanduser(value))
     if not path.exists():
-        return f"{setting}: no such local file or folder: {value}" if looks_local(value) else None
+        return f"{setting}: no such local file or folder: {value}{nearby_text(value)}" if looks_local(value) else None
     if not path.is_dir() or (path / "config.json").is_file():
         return None
     if (path / "final" / "config.json").is_file():  # train-student's run folder (docs/configuration.md)

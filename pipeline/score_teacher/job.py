@@ -42,7 +42,7 @@ from pipeline.config import (
 from pipeline.cpu_threads import threads_for
 from pipeline.dataset_card import card_is_current, write_card_or_warn
 from pipeline.folder_lock import exclusive_writer
-from pipeline.model_source import looks_local
+from pipeline.model_source import looks_local, nearby_text
 from pipeline.output_folder import has_aside, overlap_problem
 from pipeline.provenance import code_version, is_local_model, model_identity
 from pipeline.quiet import quiet_third_party
@@ -227,7 +227,7 @@ def local_path_problems(model, tokenizer) -> list[str]:
     found = []
     for key, value in (("model", model), ("tokenizer", tokenizer)):
         if isinstance(value, str) and value and looks_local(value) and not os.path.exists(os.path.expanduser(value)):
-            found.append(f"teacher.{key}: no such local file or folder: {value}")
+            found.append(f"teacher.{key}: no such local file or folder: {value}{nearby_text(value)}")
     return found
 
 

@@ -1,0 +1,59 @@
+"""A new user's mistakes through the real commands: each comes back as one line that names the
+problem and the fix, exit status 2, before any work (a mistyped teacher path, a list of labels
+written as numbers, one teacher weighted twice, the progress key of another command)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def command(module: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m <module> args`` from ``cwd`` (the project on PYTHONPATH), offline, no traceback."""
+    return subprocess.run([sys.executable, "-m", module, f"hydra.run.dir={cwd / 'logs'}", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+                               "HF_HOME": str(cwd / "hf"), "VOCAGNO_TRACEBACK": "", **(env or {})})
+
+
+def only_line(result: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stderr[-3000:])
+    return lines[0]
+
+
+@pytest.fixture
+def own_corpus(tmp_path) -> list[str]:
+    corpus = tmp_path / "mine.jsonl"
+    corpus.write_text(json.dumps({"text": "1 + 1 = 2"}) + "\n")
+    (tmp_path / "models" / "teacher-a").mkdir(parents=True)
+    return ["data=open-web-math", "data.name=mine", "data.source=files", f"data.files=[{corpus}]",
+            "teacher.embedded=false", "teacher.name=mine", f"output_root={tmp_path / 'scored'}",
+            f"artifacts_dir={tmp_path / 'artifacts'}"]
+
+
+def test_a_mistyped_teacher_path_written_as_a_path_names_the_nearest_existing_folder(tmp_path, own_corpus):
+    result = command("stages.score_teacher", *own_corpus, "teacher.model=./models/teachr-a", cwd=tmp_path)
+    assert only_line(result) == ("error: teacher.model: no such local file or folder: ./models/teachr-a; "
+                                 "nearest existing: ./models/teacher-a")
+
+
+def test_a_mistyped_teacher_path_read_as_a_hub_id_says_both_and_the_nearest_existing_folder(tmp_path, own_corpus):
+    """``models/teachr-a`` has the shape of a hub id: the one line says it is in no cache, no local
+    path either, how a relative path is written, and which folder is near; no second round trip."""
+    result = command("stages.score_teacher", *own_corpus, "teacher.model=models/teachr-a", cwd=tmp_path)
+    assert only_line(result) == (
+        f"error: teacher 'mine' (models/teachr-a): models/teachr-a is not in the Hugging Face cache "
+        f"({tmp_path / 'hf' / 'hub'}) and HF_HUB_OFFLINE is set; ways out: a local folder or file "
+        "(teacher.model=/path/to/folder), or the Hugging Face cache (download once where there is network: "
+        "hf download models/teachr-a; then run with the same HF_HOME, HF_HUB_OFFLINE=1 works); read as a hub id: "
+        f"as a local path it does not exist ({tmp_path / 'models' / 'teachr-a'}), and a relative one is written "
+        "./models/teachr-a; nearest existing: ./models/teacher-a")
+    assert not (tmp_path / "scored").exists()
