@@ -45,9 +45,19 @@ class CompareSettings:
 
 def settings(cfg: DictConfig) -> CompareSettings:
     problems: list[str] = []
-    found = build(CompareSettings, plain(cfg), "", problems, drop=("hydra",))
+    found = build(CompareSettings, numbers_as_text(plain(cfg)), "", problems, drop=("hydra",))
     raise_if(problems)
     return found
+
+
+def numbers_as_text(values: dict) -> dict:
+    """``labels=[1,2]``: the command line reads them as numbers; a label is text, so they are kept as
+    written (``[1,2]`` -> ``["1", "2"]``); anything else is left for the check to name."""
+    labels = values.get("labels")
+    if isinstance(labels, list):
+        values = {**values, "labels": [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+                                       for x in labels]}
+    return values
 
 
 def default_label(record: dict, folder: str) -> str:

@@ -65,6 +65,16 @@ def test_compare_stage(runs, tmp_path):
     assert (out / "compare.md").read_text() in ok.stdout
 
 
+def test_numbers_as_labels_are_labels(runs, tmp_path):
+    """``labels=[1,2]``: the command line reads numbers; they label the runs as written (it was
+    refused: ``labels: [1, 2] is not a list of a string or null``)."""
+    ok = subprocess.run([sys.executable, "-m", "stages.compare_evals", f"runs=[{runs['long']},{runs['short']}]",
+                         "labels=[1,2.5]", f"out_dir={tmp_path / 'cmp'}", f"hydra.run.dir={tmp_path / 'logs'}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "| task | 1 | 2.5 |" in ok.stdout
+
+
 def test_compare_refusals_are_one_line(runs, tmp_path):
     refused = subprocess.run([sys.executable, "-m", "stages.compare_evals", f"runs=[{runs['long']},{runs['fewer']},{tmp_path}]",
                               "labels=[a,b]", f"hydra.run.dir={tmp_path / 'logs'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
