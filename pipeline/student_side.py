@@ -826,6 +826,7 @@ def build_student_data(
 
     ``scored`` is one teacher's dataset, or one per teacher (:func:`pipeline.several_teachers.open_teachers`):
     several are matched document by document and combined per ``alignment.combine`` (§2.6)."""
+    check_teacher_weights(alignment, [scored] if isinstance(scored, ScoredDataset) else list(scored))
     if not isinstance(scored, ScoredDataset):
         if len(scored) > 1:
             return _build_several(list(scored), tokenizer, packing, alignment, cache_dir=cache_dir,
@@ -838,14 +839,26 @@ def build_student_data(
     return StudentData(PackedDataset(scored.shards, plan, tokenizer, alignment), scored, plan, alignment)
 
 
+def check_teacher_weights(alignment: AlignmentConfig, datasets: Sequence[ScoredDataset]) -> None:
+    """One ``loss.teacher_weights`` entry per teacher (the folders of one teacher are one teacher),
+    before the data is counted; one teacher with several weights is refused, not ignored."""
+    if alignment.combine != "weighted" or len(alignment.teacher_weights) == len(datasets):
+        return
+    n, names = len(alignment.teacher_weights), ", ".join(teacher_names(datasets))
+    if len(datasets) == 1:
+        raise ConfigError(f"loss.teacher_weights has {n} weights for one teacher ({names}; data.folders of one teacher "
+                          "are one teacher): weights combine several teachers, so with one leave out loss.combine "
+                          "and loss.teacher_weights, or add the other teachers' folders to data.folders")
+    raise ConfigError(f"loss.teacher_weights has {n} weight(s) for {len(datasets)} teachers ({names}, in "
+                      "data.folders' order)")
+
+
 def _build_several(datasets: list[ScoredDataset], tokenizer, packing: PackingConfig, alignment: AlignmentConfig, *,
                    cache_dir, num_proc: int, on_bad_shard: str, missing_documents: str) -> StudentData:
     """:func:`build_student_data` for several teachers: match, then measure and plan the stream
     (rows of a later teacher's shard that an earlier teacher holds are left out)."""
 
-    if alignment.combine == "weighted" and len(alignment.teacher_weights) != len(datasets):
-        raise ConfigError(f"loss.teacher_weights has {len(alignment.teacher_weights)} weight(s) for {len(datasets)} "
-                         f"teachers ({', '.join(teacher_names(datasets))}, in data.folders' order)")
+    check_teacher_weights(alignment, datasets)
     alignments = [resolve_alignment(alignment, tokenizer, d.folders[0].identity) for d in datasets]
     match = match_teachers(datasets, missing=missing_documents, on_bad_shard=on_bad_shard)
     stream, lengths = measure_documents(match.stream, tokenizer, cache_dir, num_proc=num_proc,

@@ -142,3 +142,17 @@ def test_one_to_one_alignment_with_another_tokenizer_is_refused_before_the_data_
     # the teacher's own tokenizer: one_to_one as asked
     same = resolve_alignment(AlignmentConfig(method="one_to_one"), load_tokenizer(str(micro_teacher)), {"teacher": identity})
     assert same.method == "one_to_one"
+
+
+def test_two_weights_for_one_teacher_are_refused_before_the_data_is_counted(micro_scored, tiny_student, tmp_path):
+    """``loss.combine=weighted loss.teacher_weights=[0.7,0.3]`` with one teacher's folder: it was
+    accepted and the weights ignored; now one line, exit 2, before the token count or any run folder."""
+    result = cli("train_student", tmp_path, "student.embedded=false", f"student.model={tiny_student}",
+                 "student.seq_len=32", f"data.folders=[{micro_scored}]", f"data.cache_dir={tmp_path / 'lengths'}",
+                 "train.max_steps=4", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1",
+                 "train.progress=false", "loss.combine=weighted", "loss.teacher_weights=[0.7,0.3]")
+    assert refused(result) == (
+        "error: loss.teacher_weights has 2 weights for one teacher (micro; data.folders of one teacher are one "
+        "teacher): weights combine several teachers, so with one leave out loss.combine and loss.teacher_weights, "
+        "or add the other teachers' folders to data.folders\n")
+    assert not (tmp_path / "lengths").exists() and not (tmp_path / "out").exists()
