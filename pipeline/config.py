@@ -109,6 +109,17 @@ def refuse(obj: Any) -> None:
         raise ValueError("; ".join(found))
 
 
+def lift_progress(values: Mapping[str, Any], group: str) -> dict[str, Any]:
+    """``progress``, the one key every command reads for its progress bars, moved into ``group``
+    (``train``, ``export``), where the command's own key has always been (``train.progress``, kept
+    as an alias). The top-level key is ``None`` unless given; given, it decides."""
+    values = dict(values)
+    given = values.pop("progress", None)
+    if given is not None:
+        values[group] = {**dict(values.get(group) or {}), "progress": given}
+    return values
+
+
 def build(cls: type[T], values: Mapping[str, Any] | None, where: str, problems: list[str], *,
           drop: Iterable[str] = (), rename: Mapping[str, str] | None = None,
           assume: Iterable[str] = (), also_known: Iterable[str] = ()) -> T | None:

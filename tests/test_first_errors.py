@@ -57,3 +57,23 @@ def test_a_mistyped_teacher_path_read_as_a_hub_id_says_both_and_the_nearest_exis
         f"as a local path it does not exist ({tmp_path / 'models' / 'teachr-a'}), and a relative one is written "
         "./models/teachr-a; nearest existing: ./models/teacher-a")
     assert not (tmp_path / "scored").exists()
+
+
+@pytest.mark.parametrize("stage", ["score_teacher", "train_student", "export_student", "eval_student", "inspect"])
+def test_progress_is_one_key_in_every_command(stage, tmp_path):
+    """``progress=false`` in every command (stage 2 and the export read it as ``train.progress`` and
+    ``export.progress``, kept as aliases): beside a mistyped key only the mistyped key is refused."""
+    result = command(f"stages.{stage}", "progress=false", "bogus_key=1", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    problems = [ln.strip(" -") for ln in result.stderr.splitlines() if ln.strip()]
+    assert any(p.startswith(("error: bogus_key: unknown key (known: ", "bogus_key: unknown key (known: "))
+               and ", progress, " in p for p in problems), problems
+    assert not [p for p in problems if "progress:" in p or "progress'" in p], problems
+
+
+def test_progress_sets_the_commands_own_key():
+    from pipeline.config import lift_progress
+
+    assert lift_progress({"progress": False, "train": {"max_steps": 3, "progress": True}}, "train") == {
+        "train": {"max_steps": 3, "progress": False}}
+    assert lift_progress({"progress": None, "export": {"progress": False}}, "export") == {"export": {"progress": False}}

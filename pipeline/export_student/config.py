@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
-from pipeline.config import build, check_at_least, check_choice, defaults, raise_if
+from pipeline.config import build, check_at_least, check_choice, defaults, lift_progress, raise_if
 from pipeline.model_source import local_model_problem, looks_local
 from pipeline.several_teachers import MISSING_RULES
 from pipeline.student_side import AlignmentConfig, scored_folder_problems
@@ -132,6 +132,7 @@ def config_defaults() -> dict:
         "loss": defaults(AlignmentConfig, rename=LOSS_ALIGNMENT_KEYS),
         "export": defaults(ExportConfig),
         **defaults(ExportJobConfig, drop=("student", "data", "export", "alignment")),
+        "progress": None,  # every command's key for its progress bars: sets export.progress (lift_progress)
     }
 
 
@@ -141,6 +142,7 @@ def export_job_config(values: Mapping, check_files: bool = False) -> ExportJobCo
     whose package is not installed; with ``check_files`` also scored folders and a local student
     that do not exist (unless the student is the embedded one, built later). Local paths become absolute."""
     problems: list[str] = []
+    values = lift_progress(values, "export")
     student_values = dict(values.get("student") or {})
     parts = {
         "student": build(StudentConfig, student_values, "student", problems, drop=STUDENT_RECIPE_KEYS),

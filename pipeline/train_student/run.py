@@ -44,6 +44,7 @@ from pipeline.config import (
     check_at_least,
     check_choice,
     defaults,
+    lift_progress,
     raise_if,
 )
 from pipeline.cpu_threads import threads_for, torch_threads
@@ -355,6 +356,7 @@ def config_defaults() -> dict:
         "loss": {**defaults(SelectionConfig), **defaults(AlignmentConfig, rename=LOSS_ALIGNMENT_KEYS)},
         "train": defaults(TrainConfig),
         **defaults(TrainJobConfig, drop=("student", "data", "train", "selection", "alignment")),
+        "progress": None,  # every command's key for its progress bars: sets train.progress (lift_progress)
     }
 
 
@@ -365,6 +367,7 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
     with ``check_files``, also scored folders that do not exist and a local student that does not
     (unless it is the embedded one, built later). Local paths become absolute."""
     problems: list[str] = []
+    values = lift_progress(values, "train")
     student_values, loss = dict(values.get("student") or {}), dict(values.get("loss") or {})
     selection_keys = set(defaults(SelectionConfig))
     parts = {
