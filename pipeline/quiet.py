@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import logging
 
-from transformers.utils import logging as hf_logging
-
 TRAINER_NOTES = ("mtime may not be reliable on this filesystem",)
 
 
@@ -33,7 +31,10 @@ class _DropNotes(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Turn off the output listed in the module docstring, in this process (idempotent)."""
+    """Turn off the output listed in the module docstring, in this process (idempotent). transformers
+    is imported here, not with the module: an entry point that refuses its configuration never loads it."""
+    from transformers.utils import logging as hf_logging
+
     hf_logging.set_tqdm_hook(_without_bar)
     trainer_log = logging.getLogger("transformers.trainer_utils")
     if not any(isinstance(f, _DropNotes) for f in trainer_log.filters):

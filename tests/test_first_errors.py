@@ -77,3 +77,25 @@ def test_progress_sets_the_commands_own_key():
     assert lift_progress({"progress": False, "train": {"max_steps": 3, "progress": True}}, "train") == {
         "train": {"max_steps": 3, "progress": False}}
     assert lift_progress({"progress": None, "export": {"progress": False}}, "export") == {"export": {"progress": False}}
+
+
+HEAVY = ("torch", "transformers", "ray", "datasets", "polars")
+
+
+def imported(stderr: str) -> set[str]:
+    """The top-level packages ``python -X importtime`` reports as imported."""
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in stderr.splitlines()
+            if line.startswith("import time:") and line.count("|") == 2}
+
+
+def test_a_mistyped_key_comes_back_without_importing_the_heavy_libraries(tmp_path):
+    """``make compare`` with a mistyped key: the refusal, and none of torch, transformers, Ray,
+    datasets or Polars imported (the stages' shared front end and its quieting import them only
+    when work starts). Speed itself is measured, not asserted (benchmarks)."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "stages.compare_evals", "runz=[a]",
+                             "runs=[a]", f"hydra.run.dir={tmp_path / 'logs'}"], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "VOCAGNO_TRACEBACK": ""})
+    errors = [ln for ln in result.stderr.splitlines() if ln.strip() and not ln.startswith("import time:")]
+    assert result.returncode == 2 and errors == ["error: runz: unknown key; did you mean runs? (known: allow_mismatch, "
+                                                 "labels, out_dir, runs)"], result.stderr[-3000:]
+    assert not imported(result.stderr) & set(HEAVY), sorted(imported(result.stderr) & set(HEAVY))
