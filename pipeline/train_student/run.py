@@ -731,13 +731,22 @@ def check_token_budget(job: TrainJobConfig, scored, world_size: int, accumulatio
     teacher_tokens, documents = pick(counts)
     n_shards = sum(len(one.shards) for one in teachers)
     ratio, why = d.token_ratio_bound, "data.token_ratio_bound"
+
+    def steps_at_most(ratio: float) -> tuple[int, int]:
+        per_pass = math.floor(teacher_tokens * ratio) + 2 * documents  # stream tokens, at most
+        return per_pass, max(0, (per_pass * d.epochs - 1) // job.student.seq_len) // samples_per_step
+
+    per_pass, bound = steps_at_most(ratio)
+    if asked <= bound:
+        return
+    # Only a run the fixed bound would refuse reads a sample (the sampled ratio can only raise it):
+    # the usual run reads nothing before its token count.
     sampled = student_per_teacher_token(teachers[0].shards, tokenizer) if tokenizer is not None else None
     if sampled is not None and SAMPLED_RATIO_MARGIN * sampled > ratio:
         ratio, why = SAMPLED_RATIO_MARGIN * sampled, f"{SAMPLED_RATIO_MARGIN} x {sampled:.2f} on a sample of documents"
-    per_pass = math.floor(teacher_tokens * ratio) + 2 * documents  # stream tokens, at most
-    bound = max(0, (per_pass * d.epochs - 1) // job.student.seq_len) // samples_per_step
-    if asked <= bound:
-        return
+        per_pass, bound = steps_at_most(ratio)
+        if asked <= bound:
+            return
     epochs = math.ceil((asked * samples_per_step * job.student.seq_len + 1) / per_pass)
     fewer = (f"train.max_tokens={bound * tokens_per_step} or less (or train.max_steps={bound}, or neither: one pass)"
              if bound else "a smaller global batch")

@@ -46,11 +46,13 @@ and its marker (:mod:`pipeline.train_student.checkpoints`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import logging
 import math
+import multiprocessing
 import os
 import signal
 import threading
@@ -157,6 +159,7 @@ class GuidedTrainer(Trainer):
         loader = super().get_train_dataloader()
         inner = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper reads its loader's settings
         inner.worker_init_fn = functools.partial(_worker_ignores_stop_signals, inner.worker_init_fn)
+        _end_workers_at_exit()
         return loader
 
     # ---- data --------------------------------------------------------------------------------
@@ -423,6 +426,22 @@ class GuidedTrainer(Trainer):
     def train(self, *args, **kwargs):
         self._last_log_time = time.perf_counter()
         return super().train(*args, **kwargs)
+
+
+@functools.cache
+def _end_workers_at_exit() -> None:
+    """Data-loader workers ignore SIGTERM (:func:`_worker_ignores_stop_signals`), which is how
+    multiprocessing ends its daemonic children when the process exits before the loader shut them
+    down (an error raised while training, a stop after the checkpoint): it would then wait for them
+    for ever. This exit hook, registered after multiprocessing's own and so run before it, kills
+    them first; a worker holds nothing that needs saving."""
+    def kill_daemonic_children() -> None:
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+                child.join(5)
+
+    atexit.register(kill_daemonic_children)
 
 
 def _worker_ignores_stop_signals(init, worker_id: int) -> None:
