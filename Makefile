@@ -35,7 +35,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed  ## the environment: .venv with torch and the project (make does it for every target)
 
-score-teacher: setup  ## stage 1: score a corpus with the teacher (embedded default: ~5-6 min the first time)
+score-teacher: setup  ## stage 1: score a corpus with the teacher (embedded default, first time: ~5-6 min on idle 2 cores, ~11 on loaded ones)
 	$(PY) -m stages.score_teacher $(ARGS)
 
 # A safetensors copy of a teacher that ships only .bin weights (then teacher.model=<printed folder>)
