@@ -33,7 +33,7 @@ class _DropNotes(logging.Filter):
 def quiet_third_party() -> None:
     """Turn off the output listed in the module docstring, in this process (idempotent). transformers
     is imported here, not with the module: an entry point that refuses its configuration never loads it."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # heavy: a refused configuration never loads it
 
     hf_logging.set_tqdm_hook(_without_bar)
     trainer_log = logging.getLogger("transformers.trainer_utils")
