@@ -3,7 +3,10 @@ CRD schema (../shared/kuberay), the core resources (Secret, Service, PersistentV
 the pod templates inside the RayJob) against Kubernetes' own JSON schemas as shipped offline by the
 kubernetes-validate package, both strictly (an unknown field is an error, as with
 ``kubectl apply --validate=strict``); the commands they run against the ones docs/running-at-scale.md
-gives, and those commands' settings against the stages' own configs."""
+gives, and those commands' settings against the stages' own configs; what each pod template mounts
+(the shared Hugging Face cache, the runs volume, a sized /dev/shm) against what its containers use;
+the models the init containers download against the ones the stages load; the image reference
+against the Dockerfile and the documented build."""
 
 from __future__ import annotations
 
