@@ -178,7 +178,16 @@ def random_causal_lm(out_dir: str | os.PathLike, shape: RandomModelShape, tokeni
 
 
 def model_parameters(folder: str | os.PathLike) -> dict:
-    return json.loads((Path(folder) / "_BENCH_MODEL.json").read_text())["parameters"]
+    """The parameter counts of a model folder: the stamp of one built here, else counted on a model
+    built from the folder's config on the meta device (no weights read: a real teacher's folder)."""
+    stamp = Path(folder) / "_BENCH_MODEL.json"
+    if stamp.is_file():
+        return json.loads(stamp.read_text())["parameters"]
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return count_parameters(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder))))
 
 
 def run_in_vllm_env(module: str, cfg, work: Path, teacher, corpus: list[str], measures: dict, timeout_s: float,
