@@ -15,9 +15,11 @@ across two launchers; not networking between hosts, a shared file system's behav
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,19 +98,19 @@ def ray_nodes(log: str) -> list[dict[str, str]]:
     return attempts
 
 
-def job_processes(slurm, job_id: int) -> list[str]:
-    """Every process still running with this job's environment: Slurm sets SLURM_JOB_ID in every
-    process of a job, and children inherit it (Ray's daemons and workers, torchrun and its workers);
-    SLURM_CONF tells this test cluster's jobs from another's."""
+def job_processes(slurm, job_id: int) -> dict[int, tuple[int, str]]:
+    """``{pid: (parent pid, command line)}`` of every process still running with this job's
+    environment: Slurm sets SLURM_JOB_ID in every process of a job, and children inherit it (Ray's
+    daemons and workers, torchrun and its workers); SLURM_CONF tells this test cluster's jobs from
+    another's."""
     tags = (f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_CONF={slurm.folder / 'slurm.conf'}".encode())
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            variables = environ.read_bytes().split(b"\0")
-            if all(tag in variables for tag in tags):
-                found.append(f"{environ.parent.name}: " + (environ.parent / "cmdline").read_bytes()
-                             .replace(b"\0", b" ").decode(errors="replace")[:200])
-        except OSError:
+            if all(tag in (proc / "environ").read_bytes().split(b"\0") for tag in tags):
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found[int(proc.name)] = (int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]), cmdline)
+        except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
     return found
 
@@ -118,7 +120,7 @@ def assert_nothing_left(slurm, job_id: int) -> None:
     deadline = time.monotonic() + 30
     while (left := job_processes(slurm, job_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, f"processes of job {job_id} left: {left}"
+    assert not left, f"processes of job {job_id} left: {[f'{pid}: {cmd[:200]}' for pid, (_, cmd) in left.items()]}"
     folders = sorted((slurm.folder / "r").glob(f"ray-{job_id}.*"))
     assert not folders, f"Ray folders of job {job_id} left: {folders}"
 
@@ -271,6 +273,40 @@ STAGE2 = ["student.seq_len=64", "train.micro_batch_size=2", "train.global_batch_
           "train.report_to=[]", "train.progress=false", "data.num_workers=1"]
 
 
+@contextlib.contextmanager
+def trainers_held(slurm, job_id: int):
+    """SIGSTOP the job's training processes (the ones torchrun starts and their data-loader
+    workers; torchrun itself, srun and the batch script keep running, so the signal gets through),
+    yield torchrun's children, SIGCONT them all on the way out."""
+    procs = job_processes(slurm, job_id)
+    held = {pid: ppid for pid, (ppid, cmd) in procs.items() if "stages.train_student" in cmd and "torchrun" not in cmd}
+    torchruns = {pid for pid, (_, cmd) in procs.items() if "torchrun" in cmd}
+    trainers = [pid for pid, ppid in held.items() if ppid in torchruns]
+    assert len(trainers) == 2, f"one training process per node expected: {procs}"
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield trainers
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def wait_for_pending_term(pids: list[int], timeout: float = 120) -> None:
+    """Until SIGTERM is pending in each of ``pids`` (``ShdPnd``/``SigPnd`` of /proc/<pid>/status)."""
+    bit = 1 << (signal.SIGTERM - 1)
+
+    def pending(pid: int) -> bool:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        return bool((int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & bit)
+
+    deadline = time.monotonic() + timeout
+    while not all(pending(pid) for pid in pids):
+        assert time.monotonic() < deadline, "SIGTERM never reached the training processes"
+        time.sleep(0.2)
+
+
 def stage2_settings(work: Path) -> list[str]:
     return [*STAGE2, f"artifacts_dir={work / 'artifacts'}", f"data.cache_dir={work / 'lengths'}"]
 
@@ -306,7 +342,11 @@ def test_stage2_on_two_nodes_killed_and_resubmitted_logs_the_losses_of_one_proce
     wait_until(lambda: complete_steps(run) and (run / "metrics.jsonl").exists()
                and max(r["step"] for r in metrics(run)) > max(complete_steps(run)),
                "a complete checkpoint and a step after it", slurm, first)
-    slurm.run("scancel", "--batch", "--signal=TERM", str(first))  # the batch script passes it on to each step
+    # A step of this tiny run takes ~0.1 s, less than the signal's way through Slurm: the training
+    # processes are held (SIGSTOP) until the SIGTERM waits in each, so the run is stopped mid-way.
+    with trainers_held(slurm, first) as trainers:
+        slurm.run("scancel", "--batch", "--signal=TERM", str(first))  # the batch script passes it on to each step
+        wait_for_pending_term(trainers)
     job = slurm.wait_until_done(first)
     assert job["JobState"] != "COMPLETED", job
     assert_nothing_left(slurm, first)
