@@ -521,16 +521,18 @@ def corpus_identity(cfg: CorpusConfig, sources: list[SourceFile], shards: list[S
     """What proves two runs read the same corpus the same way: each file's name as the document ids
     hold it (its label: the file name, unless two files share one), row count, size and content
     sha256, and the shard plan; never the files' locations (a local copy, a bucket and a hub mirror
-    of the same files have the same identity)."""
+    of the same files have the same identity). A corpus of files records no hub repository, config
+    or revision, whatever preset it was named from: it never read one (docs/configuration.md)."""
     digests = source_digests(sources)
     listing = [[s.label, s.rows, s.bytes, d] for s, d in zip(sources, digests)]
+    hub = cfg.source == "hub"
     return {
         "name": cfg.name,
         "source": cfg.source,
-        "hub_id": cfg.hub_id,
-        "hub_config": cfg.hub_config,
+        "hub_id": cfg.hub_id if hub else None,
+        "hub_config": cfg.hub_config if hub else None,
         "split": cfg.split,
-        "revision": cfg.revision,
+        "revision": cfg.revision if hub else None,
         "text_column": cfg.text_column,
         "files_sha256": hashlib.sha256(json.dumps(listing).encode()).hexdigest(),
         "n_files": len(sources),

@@ -641,17 +641,19 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
                                                         version, failed=failed, **extra), cfg.manifest_every_s)
 
         def shown(run: PoolRun) -> None:
+            """Redraw the bar from the counts, after they take in the shard just finished."""
             failed[:] = run.failed
             bar.update(1)
-            bar.set_postfix(docs=progress.rows, tokens=progress.tokens, failed=len(run.failed),
+            # written out, not tqdm's 3 significant digits: the last line's counts are the dataset's
+            bar.set_postfix(docs=f"{progress.rows:,}", tokens=f"{progress.tokens:,}", failed=len(run.failed),
                             tok_s=f"{progress.tokens_per_s():.0f}")
 
         def scored(entry: dict, run: PoolRun) -> None:
             done[entry["index"]] = {k: v for k, v in entry.items() if k != "store_calls"}  # the run's, not the shard's
             if on_first is not None and len(run.scored) == 1:
                 on_first()  # the first shard is finished: what overwrite set aside can go
-            shown(run)
             progress.scored(entry)
+            shown(run)
 
         def given_up(failure: dict, run: PoolRun) -> None:
             shown(run)
