@@ -2,7 +2,7 @@
 CRD schema (../shared/kuberay), the core resources (Secret, Service, PersistentVolumeClaim, Job, and
 the pod templates inside the RayJob) against Kubernetes' own JSON schemas as shipped offline by the
 kubernetes-validate package, both strictly (an unknown field is an error, as with
-``kubectl apply --validate=strict``); the commands they run against the ones docs/running-at-scale.md
+``kubectl apply --validate=strict``); the commands they run against the ones docs/kubernetes.md
 gives, and those commands' settings against the stages' own configs; what each pod template mounts
 (the shared Hugging Face cache, the runs volume, a sized /dev/shm) against what its containers use;
 the models the init containers download against the ones the stages load; the image reference
@@ -21,7 +21,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "deploy" / "kubernetes"
 KUBERAY = REPO.parent / "shared" / "kuberay"
-DOCS = REPO / "docs" / "running-at-scale.md"
+DOCS = REPO / "docs" / "kubernetes.md"
 KUBERNETES_VERSION = "1.33"  # the oldest version still supported upstream when this was written
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # KubeRay's CRD is 1 MB of YAML
@@ -164,7 +164,7 @@ def test_kubernetes_schemas_catch_what_the_api_server_would_refuse(kubernetes_va
 
 
 def doc_commands(section: str) -> list[list[str]]:
-    """The commands in the ``bash`` blocks of one section of docs/running-at-scale.md, each as its
+    """The commands in the ``bash`` blocks of one section of docs/kubernetes.md, each as its
     arguments (continuation lines joined, comments dropped)."""
     text = DOCS.read_text()
     start = text.index(f"\n## {section}\n")
@@ -213,7 +213,7 @@ def stage2_config():
 
 def test_the_rayjob_runs_the_documented_stage1_command_and_its_settings_are_valid():
     entrypoint = shlex.split(one("RayJob")["spec"]["entrypoint"])
-    assert entrypoint == documented("On Kubernetes", ["python", "-m", "stages.score_teacher"])
+    assert entrypoint == documented("Stage 1: a RayJob", ["python", "-m", "stages.score_teacher"])
     assert "ray=cluster" in stage_overrides(entrypoint, "stages.score_teacher")
     job = stage1_config()
     assert job.output_dir.startswith("s3://") and job.ray.address == "auto"
@@ -222,7 +222,7 @@ def test_the_rayjob_runs_the_documented_stage1_command_and_its_settings_are_vali
 def test_the_job_runs_the_documented_torchrun_command_and_its_settings_are_valid():
     (container,) = one("Job")["spec"]["template"]["spec"]["containers"]
     command = container["command"] + container.get("args", [])
-    assert command == documented("On Kubernetes", ["torchrun"])
+    assert command == documented("Stage 2: an indexed Job", ["torchrun"])
     job = stage2_config()
     assert all(str(f).startswith("s3://") for f in job.data.folders)
     assert str(job.output_dir).startswith("/runs/") and str(job.data.cache_dir).startswith("/runs/")
@@ -519,10 +519,10 @@ def test_every_pod_runs_one_pushed_image_built_from_the_dockerfile():
     ignore = (MANIFESTS / "Dockerfile.dockerignore").read_text().splitlines()
     copied = [src for line in re.findall(r"^COPY (?:--\S+ )*(.*)$", dockerfile, re.M) for src in line.split()[:-1]]
     assert copied and all(f"!{src}" in ignore for src in copied)
-    build = documented("On Kubernetes", ["docker", "build"])
+    build = documented("Build, apply, watch", ["docker", "build"])
     build, push = build[:build.index("&&")], build[build.index("&&") + 1:]
     assert flag_value(build, "-f") == "deploy/kubernetes/Dockerfile" and build[-1] == "."  # from the repository root
     assert push == ["docker", "push", flag_value(build, "-t")]
     # the documented apply puts the pushed reference in place of the manifests' placeholder
-    applied = [c for c in doc_commands("On Kubernetes") if c[0] == "sed"]
+    applied = [c for c in doc_commands("Build, apply, watch") if c[0] == "sed"]
     assert applied and all(c[1] == f"s|{image}|{flag_value(build, '-t')}|" for c in applied)
