@@ -15,7 +15,7 @@ dtype), summed per text in float64.
 
 :func:`summarize` gives the statistics the reproduction reports: bits per byte overall (total bits
 over total bytes), nats per token, and the per-document bits per byte with its mean and a 95%
-Student-t interval over documents (:mod:`pipeline.student_t`).
+Student-t interval over documents (``scipy.stats.t``).
 
 The held-out text itself: :func:`text_file_documents` reads a ``.txt`` file (one document) or a
 ``.jsonl`` file (one document per line, its ``"text"``), and :func:`shard_documents` the documents
@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import UserError
-from pipeline.student_t import t_quantile
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset
 
@@ -119,7 +118,10 @@ def summarize(losses: Sequence[TextLoss], level: float = LEVEL) -> dict:
     mean = statistics.fmean(per_document) if per_document else math.nan
     interval = None
     if len(per_document) > 1:
-        half = t_quantile(level, len(per_document) - 1) * statistics.stdev(per_document) / math.sqrt(len(per_document))
+        from scipy import stats  # heavy (~1 s): training imports this module and never needs it
+
+        t = float(stats.t.ppf(0.5 + level / 2, len(per_document) - 1))  # two-sided: 0.95 -> t(0.975, n - 1)
+        half = t * statistics.stdev(per_document) / math.sqrt(len(per_document))
         interval = [mean - half, mean + half]
     return {
         "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else math.nan,

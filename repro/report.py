@@ -20,6 +20,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scipy import stats
+
 from repro.stats import LEVEL, NOT_RUN, paired_test, t_quantile, verdict, weakest
 
 RULE = ("Each comparison A vs B uses the seed-paired differences A - B of held-out bits per byte (lower is "
@@ -221,13 +223,16 @@ def check_claims(arms: dict[str, ArmSummary], results: list[dict]) -> list[dict]
 def seeds_needed(sd: float, delta: float, power: float = 0.8, level: float = LEVEL, max_n: int = 1000) -> int:
     """Smallest number of seeds whose paired t test (two-sided, ``level``) detects a true mean
     difference ``delta`` with probability about ``power``, given the sd of the paired differences:
-    the smallest ``n`` with ``(t(level) + t(power)) * sd / sqrt(n) <= delta``, df = n - 1."""
+    the smallest ``n`` with ``(t(level) + t(power)) * sd / sqrt(n) <= delta``, df = n - 1
+    (:func:`detectable_difference` ``<= delta``).
+
+    This is the rule the study stated before its pilots ran (conf/repro.yaml), kept rather than
+    statsmodels' ``TTestPower.solve_power`` (exact noncentral-t power), which gives the same n for
+    the pilots' sds where it converges but a wrong 2 at sd 0.0014 (power 0.57 there) and NaN below."""
     if sd <= 0 or delta <= 0:
         raise ValueError("sd and delta must be positive")
     for n in range(2, max_n + 1):
-        t_alpha = t_quantile(level, n - 1)  # the two-sided critical value
-        t_beta = t_quantile(2 * power - 1, n - 1)  # the one-sided power quantile
-        if (t_alpha + t_beta) * sd / math.sqrt(n) <= delta:
+        if detectable_difference(sd, n, power, level) <= delta:
             return n
     return max_n
 
@@ -394,7 +399,9 @@ def detectable_difference(sd: float, n: int, power: float = 0.8, level: float = 
     ``(t(level, n-1) + t(power, n-1)) * sd / sqrt(n)`` (the one-sided power quantile)."""
     if n < 2:
         return math.inf
-    return (t_quantile(level, n - 1) + t_quantile(2 * power - 1, n - 1)) * sd / math.sqrt(n)
+    t_alpha = t_quantile(level, n - 1)  # the two-sided critical value
+    t_beta = float(stats.t.ppf(power, n - 1))  # the one-sided power quantile
+    return (t_alpha + t_beta) * sd / math.sqrt(n)
 
 
 def sizing(setup: dict, arms: dict[str, ArmSummary]) -> list[dict]:

@@ -1,7 +1,9 @@
-"""The statistics behind every repro verdict: a paired t test over seeds, with no scipy.
+"""The statistics behind every repro verdict: a paired t test over seeds.
 
-Student's t distribution comes from :mod:`pipeline.student_t` (the library's, which
-``make eval-student`` uses too).
+Student's t distribution is scipy's (``scipy.stats.t``). The test's statistic, p value and interval
+are computed here from the differences' ``statistics.fmean``/``stdev`` rather than by
+``scipy.stats.ttest_1samp``, because the report defines results where scipy returns NaN or warns
+(one seed: no interval; identical differences: a zero-width interval and ``p`` 0 or 1).
 """
 
 from __future__ import annotations
@@ -9,9 +11,32 @@ from __future__ import annotations
 import math
 import statistics
 
-from pipeline.student_t import t_central, t_quantile, t_two_sided_p  # noqa: F401  (part of this module's interface)
+from scipy import stats
 
 LEVEL = 0.95  # two-sided confidence level of every interval in the report
+
+
+def _df(df: int) -> int:
+    if df < 1 or int(df) != df:  # scipy answers NaN here; a wrong count of seeds is an error
+        raise ValueError(f"degrees of freedom {df!r}: a positive integer is needed")
+    return df
+
+
+def t_quantile(level: float, df: int) -> float:
+    """The two-sided critical value: the ``t`` with ``P(|T| <= t) = level`` (0.95 -> t(0.975, df))."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level {level} is not in (0, 1)")
+    return float(stats.t.ppf(0.5 + level / 2, _df(df)))
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """Two-sided p value of a t statistic, ``P(|T| > |t|)``."""
+    return float(2.0 * stats.t.sf(abs(t), _df(df)))
+
+
+def t_central(t: float, df: int) -> float:
+    """``P(|T| <= t)`` for Student's t with ``df`` degrees of freedom."""
+    return 1.0 - t_two_sided_p(t, df)
 
 
 def paired_test(diffs: list[float], level: float = LEVEL) -> dict:
@@ -29,14 +54,15 @@ def paired_test(diffs: list[float], level: float = LEVEL) -> dict:
                 "df": 0, "level": level, "diffs": list(diffs)}
     sd = statistics.stdev(diffs)
     se = sd / math.sqrt(n)
-    half = t_quantile(level, n - 1) * se
     if se > 0:
         t = mean / se
         p = t_two_sided_p(t, n - 1)
-    else:
+        ci = [float(x) for x in stats.t.interval(level, n - 1, loc=mean, scale=se)]
+    else:  # scipy's t wants a positive scale
         t = math.copysign(math.inf, mean) if mean else 0.0
         p = 0.0 if mean else 1.0
-    return {"n": n, "mean": mean, "sd": sd, "se": se, "ci": [mean - half, mean + half], "t": t, "p": p,
+        ci = [mean, mean]
+    return {"n": n, "mean": mean, "sd": sd, "se": se, "ci": ci, "t": t, "p": p,
             "df": n - 1, "level": level, "diffs": list(diffs)}
 
 

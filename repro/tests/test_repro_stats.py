@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+from scipy import stats
 
 from repro.report import seeds_needed
 from repro.stats import paired_test, t_central, t_quantile, t_two_sided_p, verdict, weakest
@@ -52,6 +53,35 @@ def test_paired_test_by_hand():
     same = paired_test([-0.01] * 4)
     assert same["ci"] == pytest.approx([-0.01, -0.01]) and same["p"] == 0.0 and verdict(same) == "holds"
     assert paired_test([0.0, 0.0])["p"] == 1.0
+
+
+def test_an_interval_over_eight_seeds_by_hand():
+    # diffs 1..8: mean 4.5, squared deviations 42, sd sqrt(42 / 7) = sqrt(6), se sqrt(6 / 8) = 0.8660254;
+    # t(0.975, df 7) = 2.364624 (printed tables), half-width 2.364624 * 0.8660254 = 2.047825;
+    # t = 4.5 / 0.8660254 = 3 * sqrt(3) = 5.196152
+    p = paired_test([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    assert t_quantile(0.95, 7) == pytest.approx(2.364624, abs=1e-6)
+    assert (p["n"], p["df"], p["mean"], p["sd"]) == (8, 7, 4.5, pytest.approx(math.sqrt(6)))
+    assert p["ci"] == pytest.approx([4.5 - 2.047825, 4.5 + 2.047825], abs=2e-6)
+    assert p["t"] == pytest.approx(3 * math.sqrt(3))
+    assert 0.001 < p["p"] < 0.002  # tables: t(0.999, 7) = 4.785 and t(0.9995, 7) = 5.408 bracket 5.196
+
+
+def test_seeds_needed_against_the_textbook_figure():
+    """G*Power's one-sample (paired) t test at effect size d = 0.5, two-sided alpha 0.05, power 0.80
+    asks for n = 34 (actual power 0.8078, from the noncentral t); the rule, in units of the sd,
+    gives the same, and the noncentral t (scipy) puts 33 seeds below 80%."""
+    assert seeds_needed(1.0, 0.5) == 34
+
+    def exact_power(d: float, n: int) -> float:
+        crit, nc = stats.t.ppf(0.975, n - 1), d * math.sqrt(n)
+        return stats.nct.sf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc)
+
+    assert exact_power(0.5, 34) == pytest.approx(0.8078, abs=1e-4)
+    assert exact_power(0.5, 33) < 0.8
+    for sd in (0.0134, 0.0158, 0.0142, 0.0041, 0.0053):  # the pilots' sds: the rule's n has the power it promises
+        n = seeds_needed(sd, 0.01)
+        assert exact_power(0.01 / sd, n) >= 0.8 > exact_power(0.01 / sd, n - 1)
 
 
 @pytest.mark.parametrize("ci, claimed, expected", [

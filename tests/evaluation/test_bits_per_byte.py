@@ -19,7 +19,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from pipeline.bits_per_byte import TextLoss, summarize, text_losses
 from pipeline.evaluation.held_out import HeldOutText, HeldOutTextError, read_documents, text_digest
-from pipeline.student_t import t_quantile
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ["<s>", "</s>", "<unk>", "the", "answer", "is", "=", "+", "1", "2", "3", ".", "x", "Solution:", "é"]
@@ -90,12 +89,17 @@ def test_summary_statistics_by_hand():
     assert summarize([TextLoss(1.0, 1, 1)])["document_ci"] is None
 
 
-def test_t_quantiles_are_the_tables_and_the_reproductions():
-    from repro.stats import t_quantile as repro_t_quantile
+def test_the_interval_over_documents_takes_the_t_tables_quantile_as_the_study_does():
+    from repro.stats import t_quantile
 
-    for df, table in ((1, 12.7062047), (2, 4.3026527), (5, 2.5705818), (10, 2.2281389), (30, 2.0422725)):
-        assert t_quantile(0.95, df) == pytest.approx(table, rel=1e-7)
-    assert all(t_quantile(0.95, df) == repro_t_quantile(0.95, df) for df in range(1, 60))
+    for df, table in ((1, 12.7062047), (2, 4.3026527), (5, 2.5705818), (7, 2.3646243), (10, 2.2281389), (30, 2.0422725)):
+        losses = [TextLoss(nats=(1.0 + 0.01 * (i % 3) + 0.001 * i) * math.log(2) * 100, n_bytes=100, n_tokens=10)
+                  for i in range(df + 1)]
+        per_doc = [x.nats / math.log(2) / x.n_bytes for x in losses]
+        low, high = summarize(losses)["document_ci"]
+        t = (high - low) / 2 / (statistics.stdev(per_doc) / math.sqrt(df + 1))
+        assert t == pytest.approx(table, rel=1e-7)
+        assert t == pytest.approx(t_quantile(0.95, df), rel=1e-12)
 
 
 def test_comparable_across_tokenizers(tiny_student, real_tokenizer):
