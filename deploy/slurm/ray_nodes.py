@@ -1,5 +1,5 @@
 """What score-teacher.sbatch asks of Python: free ports on this node, and the wait until every
-node of the allocation has joined the job's Ray cluster (docs/running-at-scale.md#on-slurm).
+node of the allocation has joined the job's Ray cluster (docs/slurm.md#what-score-teachersbatch-does).
 
     python deploy/slurm/ray_nodes.py ports 4
     python deploy/slurm/ray_nodes.py wait --address 10.0.0.1:41234 --nodes "gpu01 gpu02" --timeout 300 \
