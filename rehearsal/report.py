@@ -1,6 +1,6 @@
 """The rehearsal's results: ``scale.json`` (every measurement), ``scale.md`` (the tables, each
 target with its verdict, the bill for all of OpenWebMath), ``scale.png`` (cost against teacher
-tokens, log-log) and the bill's section of docs/running-at-scale.md.
+tokens, log-log) and the bill's section of docs/sizing-a-run.md.
 
 Growth exponents are measured between the two largest fractions: ``log(cost2 / cost1) /
 log(tokens2 / tokens1)``. The bill extrapolates each cost linearly in the teacher tokens from those
