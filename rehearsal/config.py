@@ -19,7 +19,7 @@ class RehearseConfig:
     steps: list[str] = field(default_factory=lambda: list(STEPS))  # which steps run (the others are left out)
     work_dir: str = "outputs/rehearsal"  # corpora, scored folders, exports, runs, caches; results per fraction
     out_dir: str = "bench-results"  # scale.json, scale.md, scale.png
-    docs_page: str | None = "docs/running-at-scale.md"  # its bill section is rewritten from the results (None: not)
+    docs_page: str | None = "docs/sizing-a-run.md"  # its bill section is rewritten from the results (None: not)
     tokenizers_dir: str = "../shared/tokenizers"  # the paper's real vocabularies
     teacher_tokenizer: str = "qwen2"  # Qwen2.5's (benchmarks.inputs.REAL_TOKENIZERS)
     student_tokenizer: str = "llama-spm"  # TinyLlama's
