@@ -1,1 +1,1 @@
-"""The lab: make rehearse, OpenWebMath's scale rehearsed on CPUs with the rehearsal teacher (docs/running-at-scale.md#rehearsing-at-scale)."""
+"""The lab: make rehearse, OpenWebMath's scale rehearsed on CPUs with the rehearsal teacher (docs/sizing-a-run.md#rehearsing-at-scale)."""
