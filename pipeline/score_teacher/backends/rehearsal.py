@@ -1,7 +1,7 @@
 """The rehearsal teacher (``scorer.backend=rehearsal``): a stand-in whose forward costs nothing, so
 that everything around the forward (Ray actors, tokenization, windows, the writer, markers,
 manifest, resume, the card, stage 2 and the export) runs at real size on CPUs
-(docs/running-at-scale.md#rehearsing-at-scale). Its output is named as a rehearsal's and the
+(docs/sizing-a-run.md#rehearsing-at-scale). Its output is named as a rehearsal's and the
 consumers refuse it unless told (:mod:`pipeline.rehearsal`).
 
 The teacher is its tokenizer (``teacher.model``: a tokenizer folder, ``.gguf`` or hub id) plus a
