@@ -1,5 +1,5 @@
 """Rehearsal output: scores made by a stand-in teacher whose forward costs nothing
-(``scorer.backend=rehearsal``, docs/running-at-scale.md#rehearsing-at-scale).
+(``scorer.backend=rehearsal``, docs/sizing-a-run.md#rehearsing-at-scale).
 
 Such a dataset says what it is in its identity (``teacher.backend``), its manifest (``rehearsal``)
 and its card, and the consumers of scores refuse it unless told (:func:`refuse_rehearsal`): stage 2
