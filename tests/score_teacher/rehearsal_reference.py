@@ -1,4 +1,4 @@
-"""The rehearsal teacher's losses written from its definition (docs/running-at-scale.md#rehearsing-at-scale;
+"""The rehearsal teacher's losses written from its definition (docs/sizing-a-run.md#the-rehearsal-teacher;
 :mod:`pipeline.score_teacher.backends.rehearsal`) one token at a time with Python integers and a
 hand-written interpolation: the reference its tests compare with."""
 
