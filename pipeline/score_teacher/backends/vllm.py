@@ -1,5 +1,5 @@
 """The vLLM backend (its own environment, ``make setup-vllm``: vLLM's CPU build where there is no
-CUDA; docs/running-at-scale.md#the-vllm-backend).
+CUDA; docs/gpus-and-vllm.md#the-vllm-backend).
 
 Each window goes in as ``TokensPrompt(prompt_token_ids=...)`` so vLLM scores exactly the ids (and
 therefore the offsets) that stage 1 stores, with greedy
