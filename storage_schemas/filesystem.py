@@ -11,7 +11,7 @@ timed-out connection) is tried again by the AWS SDK inside pyarrow, with the sta
 backoff, up to ``AWS_MAX_ATTEMPTS`` attempts (the standard AWS variable; 10 here when unset;
 ``AWS_RETRY_MODE=legacy`` takes the SDK's older strategy). Those retries are counted
 (:mod:`storage_schemas.store_calls`); a request still failing after them is
-:func:`unavailable` (docs/running-at-scale.md, "When the store throttles or drops").
+:func:`unavailable` (docs/object-storage.md, "When the store throttles or drops").
 """
 
 from __future__ import annotations
