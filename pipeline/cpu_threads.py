@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Iterator
 
 import psutil
-import torch
 
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -62,6 +61,7 @@ def threads_for(cpus: float | None = None, sharing: int = 1) -> int:
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """``torch.set_num_threads(n)`` while this lasts."""
+    import torch  # lazy: seconds to import; a config error is refused first
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -126,6 +125,7 @@ def loss_statistics(folder: str, entries: Sequence[Mapping], token_budget: int =
                     bin_width: float | None = None) -> LossStatistics:
     """Statistics of the per-token losses of the shards ``entries`` lists (manifest entries) in
     ``folder``, read in bounded memory (module docstring)."""
+    import polars as pl  # lazy: seconds to import; a config error is refused first
     bin_width = bin_width or DEFAULT_BIN_WIDTH
     chosen = stats_sample(entries, token_budget)
     tokens = finite = nan = 0

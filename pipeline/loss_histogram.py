@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import polars as pl
 
 DEFAULT_BIN_WIDTH = 1.0 / 128  # a power of two: bin edges are exact in float32
 
@@ -73,6 +72,7 @@ class LossHistogram:
 
 def loss_histogram_query(frame: pl.LazyFrame, bin_width: float = DEFAULT_BIN_WIDTH) -> pl.LazyFrame:
     """Finite losses exploded and counted per bin ``floor(loss / bin_width)`` (bounded groups)."""
+    import polars as pl  # lazy: seconds to import; a config error is refused first
     return (
         frame.select(pl.col("losses").explode().cast(pl.Float64))
         .filter(pl.col("losses").is_finite())
@@ -84,6 +84,7 @@ def loss_histogram_query(frame: pl.LazyFrame, bin_width: float = DEFAULT_BIN_WID
 
 def merge_bins(a: pl.DataFrame, b: pl.DataFrame) -> pl.DataFrame:
     """Two sets of :func:`loss_histogram_query` rows as one (counts added per bin)."""
+    import polars as pl  # lazy: seconds to import; a config error is refused first
     return pl.concat([a, b]).group_by("bin").agg(
         count=pl.col("count").sum(), lowest=pl.col("lowest").min(), highest=pl.col("highest").max()
     )

@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
-import torch
 from huggingface_hub import HfApi, constants, snapshot_download, try_to_load_from_cache
 from huggingface_hub.errors import (
     GatedRepoError,
@@ -35,7 +34,6 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.config import ConfigError, UserError, override
 from pipeline.provenance import file_sha256_cached
@@ -129,6 +127,7 @@ def nearby_text(value: str) -> str:
 
 def resolve_device(device: str) -> torch.device:
     """``auto``: the GPU where there is one, else the CPU; anything else as torch names it."""
+    import torch  # lazy: seconds to import; a config error is refused first
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -249,6 +248,7 @@ def convert_to_safetensors(model: str, out_dir: str | os.PathLike, revision: str
     can differ). The folder is written under a temporary name and renamed; ``converted_from.json``
     records the source. An existing non-empty ``out_dir`` is refused.
     """
+    from transformers import AutoModelForCausalLM  # lazy: seconds to import; a config error is refused first
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -283,6 +283,7 @@ def _copy_tokenizer_files(model: str, revision: str | None, dest: Path) -> list[
 def model_positions(model: str | None, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
     """The positions a model has, as its config states them (None: no model, or it does not say);
     reads the config only, never the weights."""
+    from transformers import AutoConfig  # lazy: seconds to import; a config error is refused first
     if not model:
         return None
     config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
@@ -324,6 +325,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     written under a temporary name and renamed; ``converted_from.json`` records the GGUF's name,
     size, sha256 and quantization. An existing non-empty ``out_dir`` is refused.
     """
+    import torch  # lazy: seconds to import; a config error is refused first
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: seconds to import; a config error is refused first
     source = Path(os.path.expanduser(gguf_path)).resolve()
     if not source.is_file():
         raise ConfigError(f"{gguf_path}: no such GGUF file")

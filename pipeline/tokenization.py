@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from transformers import AutoTokenizer, LlamaTokenizer
 
 from pipeline.config import MissingPathError, UserError
 
@@ -111,6 +110,7 @@ def load_tokenizer(source: str, *, revision: str | None = None, trust_remote_cod
     * ``path/to/tokenizer.model`` (SentencePiece): copied into a cache folder as
       ``tokenizer.model`` and loaded with ``LlamaTokenizer`` (which converts it to a fast tokenizer).
     """
+    from transformers import AutoTokenizer, LlamaTokenizer  # lazy: seconds to import; a config error is refused first
 
     path = Path(os.path.expanduser(source))
     if path.suffix == ".gguf":

@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
 from tokenizers import (
     Regex,
     Tokenizer,
@@ -36,16 +35,6 @@ from tokenizers import (
     pre_tokenizers,
     processors,
     trainers,
-)
-from transformers import (
-    PreTrainedTokenizerFast,
-    PrinterCallback,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-    default_data_collator,
 )
 
 from pipeline.cpu_threads import torch_threads, usable_cores
@@ -75,6 +64,7 @@ class TinyTeacherSpec(ModelShape):
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``texts``."""
+    from transformers import PreTrainedTokenizerFast  # lazy: seconds to import; a config error is refused first
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -121,6 +111,7 @@ def build_folder(out_dir: str | os.PathLike, write) -> Path:
 
 
 def _mean_loss(model, blocks: list[list[int]]) -> float:
+    import torch  # lazy: seconds to import; a config error is refused first
     if not blocks:
         return float("nan")
     model.eval()
@@ -136,6 +127,8 @@ def build_tiny_teacher(
     eval_texts: dict[str, Sequence[str]] | None = None,
 ) -> Path:
     """Train (or return the cached) tiny teacher in ``out_dir``; see the module docstring."""
+    import torch  # lazy: seconds to import; a config error is refused first
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # lazy: seconds to import; a config error is refused first
 
     out_dir = Path(out_dir)
     stamp_path = out_dir / "_BUILD.json"
@@ -205,9 +198,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
-class ProgressLog(TrainerCallback):
+class ProgressLog:
     """One log line per Trainer log in place of the Trainer's printed dicts: the step, the loss,
-    the time so far and the time left at the pace measured so far."""
+    the time so far and the time left at the pace measured so far (the Trainer's callback with
+    ``TrainerCallback`` beside it, :func:`fit_blocks`)."""
 
     def __init__(self, what: str, clock=time.perf_counter):
         self.what = what
@@ -234,6 +228,10 @@ def fit_blocks(model, blocks: list[list[int]], work_dir: str | os.PathLike, *, s
     One torch thread: the same weights whatever the machine's cores (thread counts change the
     rounding), and on a shared machine several times faster for a model this small than threads
     that wait on each other for cores other processes hold."""
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, default_data_collator  # lazy: seconds to import; a config error is refused first
+
+    class Progress(ProgressLog, TrainerCallback):  # the Trainer's other events do nothing
+        pass
 
     dataset = [{"input_ids": b, "labels": b} for b in blocks]
     args = TrainingArguments(
@@ -254,7 +252,7 @@ def fit_blocks(model, blocks: list[list[int]], work_dir: str | os.PathLike, *, s
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
-                      callbacks=[ProgressLog(what)])
+                      callbacks=[Progress(what)])
     trainer.remove_callback(PrinterCallback)
     with torch_threads(TRAIN_THREADS):
         return trainer.train()

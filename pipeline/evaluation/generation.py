@@ -14,8 +14,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteriaList
 
 from pipeline.config import ConfigError, check_at_least, check_choice
 from pipeline.evaluation.tasks import cut_at_stop
@@ -75,6 +73,7 @@ def make_generator(cfg: GenerationConfig, loaded: LoadedModel | None = None) -> 
 
 
 def _torch_dtype(name: str, device):
+    import torch  # lazy: seconds to import; a config error is refused first
     if name == "auto":
         on_gpu = device.type == "cuda"
         return torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
@@ -100,6 +99,8 @@ class LoadedModel:
 def load_model(cfg: GenerationConfig) -> LoadedModel:
     """``AutoModelForCausalLM``/``AutoTokenizer`` of ``cfg.model`` in eval mode (CPU threads, seed,
     device and dtype as configured); a checkpoint that cannot be loaded is one line."""
+    import torch  # lazy: seconds to import; a config error is refused first
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: seconds to import; a config error is refused first
     device = resolve_device(cfg.device)
     if device.type == "cpu" and cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)
@@ -149,6 +150,8 @@ class HFGenerator:
         return ids
 
     def _generate_batch(self, batch: list[list[int]], stop: tuple[str, ...]) -> list[str]:
+        import torch  # lazy: seconds to import; a config error is refused first
+        from transformers import StoppingCriteriaList  # lazy: seconds to import; a config error is refused first
         enc = self.tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt").to(self.device)
         prompt_len = enc["input_ids"].shape[1]
         criterion = StopOnSequences(self.tokenizer, stop, prompt_len)
@@ -168,6 +171,7 @@ class StopOnSequences:
         self.tokenizer, self.stop, self.prompt_len = tokenizer, stop, prompt_len
 
     def __call__(self, input_ids, scores, **kwargs):
+        import torch  # lazy: seconds to import; a config error is refused first
         texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
         return torch.tensor([any(s in t for s in self.stop) for t in texts], device=input_ids.device)
 

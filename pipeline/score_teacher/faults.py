@@ -20,8 +20,6 @@ import json
 import os
 import time
 
-import ray
-import torch
 
 FAULTS_ENV = "VOCAGNO_INJECT_FAULTS"
 KINDS = ("oom", "read", "die", "bug", "hang")
@@ -29,6 +27,7 @@ KINDS = ("oom", "read", "die", "bug", "hang")
 
 def inject_fault(index: int) -> None:
     """Fail this try at shard ``index`` if ``VOCAGNO_INJECT_FAULTS`` asks for it."""
+    import torch  # lazy: seconds to import; a config error is refused first
     spec = os.environ.get(FAULTS_ENV)
     if not spec:
         return
@@ -79,6 +78,7 @@ def _count_try(folder: str, index: int) -> int:
 
 def _node_id() -> str:
     """The Ray node this process runs on, or "" outside Ray."""
+    import ray  # lazy: seconds to import; a config error is refused first
     try:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
     except Exception:  # noqa: BLE001 - a note for tests only, never a reason to fail the try

@@ -24,11 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
-import ray
-import torch
-import transformers
 from tqdm.auto import tqdm
-from transformers import AutoConfig
 
 import pipeline
 from pipeline.config import (
@@ -372,6 +368,7 @@ def plan_window(teacher: TeacherConfig, backend: str, positions: int | None) -> 
 
 def _context_length(teacher: TeacherConfig) -> int | None:
     """The teacher's positions, as its config states them (None: it does not)."""
+    from transformers import AutoConfig  # lazy: seconds to import; a config error is refused first
     config = AutoConfig.from_pretrained(teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if getattr(config, key, None):
@@ -401,6 +398,7 @@ class ShardScorer:
 
     def load(self) -> dict:
         """Load the tokenizer and the teacher; returns :meth:`describe`."""
+        import torch  # lazy: seconds to import; a config error is refused first
         if self.scorer is None:
             quiet_third_party()
             torch.set_num_threads(threads_for(_granted_cpus(self.cfg.pool.num_cpus)))
@@ -433,6 +431,7 @@ class ShardScorer:
     def describe(self) -> dict:
         """Where this actor runs, where its code was imported from (a copy shipped by Ray's
         runtime environment, or the installed package) and how many threads torch uses there."""
+        import torch  # lazy: seconds to import; a config error is refused first
         return {**self.node, "pid": os.getpid(), "code": os.path.dirname(os.path.abspath(pipeline.__file__)),
                 "torch_threads": torch.get_num_threads()}
 
@@ -441,6 +440,8 @@ def engine_of(scorer) -> dict:
     """The engine behind a scorer, for the markers and the card (never the identity: a patch
     release must not orphan a dataset): the vLLM backend says it; the transformers backend is
     transformers on torch."""
+    import torch  # lazy: seconds to import; a config error is refused first
+    import transformers  # lazy: seconds to import; a config error is refused first
     described = scorer.describe()
     if "engine" in described:
         return dict(described["engine"])
@@ -452,6 +453,7 @@ def engine_of(scorer) -> dict:
 
 def _granted_cpus(asked: float) -> float:
     """The CPUs Ray gave this actor (what it asked for, outside an actor)."""
+    import ray  # lazy: seconds to import; a config error is refused first
     if not ray.is_initialized():
         return asked
     return ray.get_runtime_context().get_assigned_resources().get("CPU", asked)
@@ -459,6 +461,7 @@ def _granted_cpus(asked: float) -> float:
 
 def _this_node() -> dict:
     """The Ray node this process runs on: its id, IP address and host name."""
+    import ray  # lazy: seconds to import; a config error is refused first
 
     if not ray.is_initialized():
         return {"node_id": None, "node_ip": None, "hostname": socket.gethostname()}
@@ -468,6 +471,7 @@ def _this_node() -> dict:
 
 def _release_cuda_memory(exc: BaseException) -> None:
     """After CUDA ran out of memory, give the cached blocks back so that the next try starts clean."""
+    import torch  # lazy: seconds to import; a config error is refused first
     if type(exc).__name__ == "OutOfMemoryError":
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -610,6 +614,7 @@ def _run_pool(cfg: ScoreJobConfig, prepared: Prepared, pending: list[ShardSpec],
     """Score the pending shards on a pool of :class:`ShardScorer` actors (:mod:`pipeline.score_teacher.pool`):
     sized to the cluster's nodes, with the code shipped to them, after checking that every node sees
     the job's local paths; the manifest is rewritten from time to time as shards finish."""
+    import ray  # lazy: seconds to import; a config error is refused first
 
     cfg, prepared, pending = _absolute_for_actors(cfg, prepared, pending)
     started_ray = init_ray(cfg.ray)

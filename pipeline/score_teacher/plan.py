@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
-from transformers import AutoConfig
 
 from pipeline.cpu_threads import threads_for, torch_threads
 from pipeline.score_teacher.backends.base import ScorerConfig
@@ -299,6 +297,7 @@ def _chunks(raw: list[Document], scored: list, budget: int) -> list[list[Documen
 def teacher_parameters(teacher) -> int | None:
     """About how many parameters the teacher has, from its config alone (None: it does not say):
     embeddings plus 4 h^2 of attention and 3 h x intermediate of MLP per layer."""
+    from transformers import AutoConfig  # lazy: seconds to import; a config error is refused first
     try:
         c = AutoConfig.from_pretrained(teacher.model, revision=teacher.revision, trust_remote_code=teacher.trust_remote_code)
     except Exception:  # noqa: BLE001 - the run's own check has passed; a config it cannot read is just not sized
@@ -361,6 +360,7 @@ def measure_decision(cfg) -> tuple[bool, str]:
 
 def local_actors(cfg) -> int | None:
     """The actors the run starts on this machine's local Ray cluster (None: it joins a cluster)."""
+    import torch  # lazy: seconds to import; a config error is refused first
     if cfg.ray.address is not None:
         return None
     have = {"CPU": float(cfg.ray.num_cpus or os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}

@@ -24,9 +24,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
-import ray
-import ray.exceptions as rx
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import pipeline
 import storage_schemas
@@ -116,6 +113,7 @@ def init_ray(rc: RayConfig) -> bool:
     this call started it (so the job shuts it down). A caller that starts Ray itself should pass
     such a runtime environment to its own ``ray.init`` for the code to reach other nodes: Ray
     uploads local code only for a whole job, never for one actor."""
+    import ray  # lazy: seconds to import; a config error is refused first
 
     if ray.is_initialized():
         return False
@@ -196,6 +194,7 @@ def actor_env(rc: RayConfig) -> dict | None:
 
 
 def alive_nodes() -> list[dict]:
+    import ray  # lazy: seconds to import; a config error is refused first
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
@@ -298,6 +297,8 @@ def check_nodes_see(nodes: Sequence[dict], local_paths: Iterable[str], output_di
     with the driver's sizes and that the output folder (when local) is the driver's own folder (a
     probe file written by the driver is read back). Raises :class:`ConfigError` listing each node's
     problems and what to do instead."""
+    import ray  # lazy: seconds to import; a config error is refused first
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # lazy: seconds to import; a config error is refused first
 
     files = local_files_to_check(local_paths)
     probe_path, probe = None, None
@@ -341,6 +342,7 @@ def is_transient(exc: BaseException) -> bool:
     """Whether another try of the shard may succeed: its actor, worker or node died (Ray's own retries
     are spent), Ray's memory monitor killed it, CUDA ran out of memory, or a read failed (an
     ``OSError`` other than a full, read-only or missing disk or path)."""
+    import ray.exceptions as rx  # lazy: seconds to import; a config error is refused first
 
     if isinstance(exc, (rx.RayActorError, rx.ActorUnavailableError, rx.WorkerCrashedError, rx.NodeDiedError,
                         rx.ObjectLostError, rx.OutOfMemoryError, rx.LocalRayletDiedError)):
@@ -461,6 +463,7 @@ class ScorerPool:
         return [a for a in self.actors if a.state == "placing"]
 
     def remove(self, actor: _Actor) -> None:
+        import ray  # lazy: seconds to import; a config error is refused first
         ray.kill(actor.handle, no_restart=True)
         self.actors.remove(actor)
         if actor in self.idle:
@@ -477,6 +480,7 @@ class ScorerPool:
 
     def started_call(self, ref) -> None:
         """An actor's ``describe()`` or ``load()`` answered (or failed)."""
+        import ray  # lazy: seconds to import; a config error is refused first
 
         actor = next((a for a in self.actors if a.call == ref), None)
         if actor is None:  # removed meanwhile
@@ -499,6 +503,8 @@ class ScorerPool:
         """An actor lost with its node (or removed) is forgotten; one whose teacher failed to load is
         replaced, and the job stops after ``1 + shard_retries`` such failures in a row, or at once
         when the error is not transient."""
+        import ray  # lazy: seconds to import; a config error is refused first
+        import ray.exceptions as rx  # lazy: seconds to import; a config error is refused first
 
         self.remove(actor)
         if isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed:
@@ -550,6 +556,7 @@ class ScorerPool:
 
     def _lacking(self) -> str:
         """Which resources are missing: what one actor asks, against what the alive nodes hold."""
+        import ray  # lazy: seconds to import; a config error is refused first
 
         asks = f"one actor asks for {_amounts(self.need)} (pool.num_gpus, pool.num_cpus, pool.resources)"
         if not self.capacity:
@@ -576,6 +583,7 @@ def run_shards(make_actor: Callable[[], object], specs: Sequence, pool: PoolConf
     driver as each shard finishes or is given up, ``on_status`` with a few words when the pool's
     state changes. The actors are killed on return or error; where those that started ran is in the
     result's ``actors``."""
+    import ray  # lazy: seconds to import; a config error is refused first
 
     actors = ScorerPool(make_actor, pool)
     queue = deque(specs)
@@ -612,6 +620,7 @@ def run_shards(make_actor: Callable[[], object], specs: Sequence, pool: PoolConf
 def _shard_done(ref, running: dict, queue: deque, tries: dict, actors: ScorerPool, pool: PoolConfig, run: PoolRun,
                 on_scored, on_failed) -> None:
     """A shard's call answered: record it, or try it again, or give it up (the fault policy)."""
+    import ray  # lazy: seconds to import; a config error is refused first
 
     actor, spec = running.pop(ref)
     try:

@@ -19,22 +19,21 @@ import logging
 from typing import Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
 from pipeline.model_source import resolve_device
 from pipeline.score_teacher.backends.base import ScorerConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # torch names them alike
 
 
 def load_causal_lm(cfg: ScorerConfig, device: torch.device):
     """Load the teacher straight onto ``device`` (``device_map``: no full copy in host memory first),
     with safetensors weights only (``cfg.allow_bin`` also accepts ``.bin`` weights, which
     transformers reads with ``torch.load(weights_only=True)``) and remote code off unless configured."""
+    import torch  # lazy: seconds to import; a config error is refused first
+    from transformers import AutoModelForCausalLM  # lazy: seconds to import; a config error is refused first
 
     if cfg.dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(_DTYPES)}")
@@ -42,7 +41,7 @@ def load_causal_lm(cfg: ScorerConfig, device: torch.device):
         device = torch.device("cuda", torch.cuda.current_device())  # the actor's GPU, by index
     kwargs = dict(
         revision=cfg.revision,
-        dtype=_DTYPES[cfg.dtype],
+        dtype=getattr(torch, cfg.dtype),
         trust_remote_code=cfg.trust_remote_code,
         use_safetensors=None if cfg.allow_bin else True,  # None: safetensors when present, else .bin
         device_map={"": device},
@@ -93,16 +92,18 @@ class TransformersScorer:
             "device": self.device.type,
         }
 
-    @torch.inference_mode()
     def score(self, windows: Sequence[np.ndarray]) -> list[np.ndarray]:
+        import torch  # lazy: seconds to import; a config error is refused first
         results: list[np.ndarray | None] = [None] * len(windows)
         lengths = [len(w) for w in windows]
-        for group in batches_by_tokens(lengths, self.cfg.max_batch_tokens):
-            for i, losses in zip(group, self._score_batch([windows[i] for i in group])):
-                results[i] = losses
+        with torch.inference_mode():
+            for group in batches_by_tokens(lengths, self.cfg.max_batch_tokens):
+                for i, losses in zip(group, self._score_batch([windows[i] for i in group])):
+                    results[i] = losses
         return results  # type: ignore[return-value]
 
     def _score_batch(self, windows: list[np.ndarray]) -> list[np.ndarray]:
+        import torch  # lazy: seconds to import; a config error is refused first
         width = max(len(w) for w in windows)
         ids = torch.zeros((len(windows), width), dtype=torch.long)  # (B, T)
         mask = torch.zeros((len(windows), width), dtype=torch.long)  # (B, T)
@@ -128,6 +129,8 @@ class TransformersScorer:
 
     def _nll(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """-log softmax(head(h))[target] in float32, one bounded chunk of positions at a time."""
+        import torch  # lazy: seconds to import; a config error is refused first
+        import torch.nn.functional as F  # lazy: seconds to import; a config error is refused first
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         for lo in range(0, h.shape[0], self.chunk_positions):
             hi = min(lo + self.chunk_positions, h.shape[0])

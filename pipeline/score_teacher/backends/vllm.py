@@ -44,7 +44,6 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-from transformers import AutoConfig
 
 from pipeline.config import ConfigError, UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
@@ -362,6 +361,7 @@ class VLLMScorer:
         """Start the engine and score one two-token window, so that a teacher the engine cannot run
         fails here, as :class:`EngineStartError`. ``engine_overrides`` replace entries of
         :func:`engine_args` (the GPU bench passes ``load_format="dummy"`` for random weights)."""
+        from transformers import AutoConfig  # lazy: seconds to import; a config error is refused first
         _import_vllm()
         from vllm import LLM, SamplingParams  # optional and heavy: only where this backend runs
         from vllm.platforms import current_platform  # optional and heavy: only where this backend runs
