@@ -66,7 +66,7 @@ from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -425,6 +425,15 @@ class PackPlan:
         return {"seq_len": self.seq_len, "n_documents": int(self.doc_row.size), "n_empty": self.n_empty,
                 "n_tokens": self.n_tokens, "n_samples": self.n_samples, "add_bos": self.add_bos,
                 "add_eos": self.add_eos}
+
+
+def document_tokens(packing: Mapping, epochs: int) -> int:
+    """The documents' own student tokens in one pass: what every command calls "student tokens"
+    (``plan=true``, train-student's and export-student's summaries). A packing summary
+    (:meth:`PackPlan.summary`, an export's packing record) counts the stream, ``n_tokens``: each
+    document with its BOS/EOS, in each of the ``epochs`` passes."""
+    per_document = int(bool(packing["add_bos"])) + int(bool(packing["add_eos"]))
+    return (int(packing["n_tokens"]) - int(packing["n_documents"]) * per_document) // max(1, epochs)
 
 
 def document_order(rows_per_shard: Sequence[int], seed: int, epoch: int, shuffle: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -790,8 +799,8 @@ class StudentData:
 
     def summary(self) -> dict:
         """What the run summary reports about the data."""
-        out = {**self.plan.summary(), "alignment": self.alignment.method, "aggregate": self.alignment.aggregate,
-               "shards_used": len(self.scored.shards), "shards_skipped": self.scored.skipped,
+        out = {**self.plan.summary(), "student_tokens": document_tokens(self.plan.summary(), self.plan.epochs),
+               "alignment": self.alignment.method, "aggregate": self.alignment.aggregate, "shards_used": len(self.scored.shards), "shards_skipped": self.scored.skipped,
                "teacher": self.scored.teacher.get("teacher", {}).get("name")}
         if self.teachers is not None:
             out.update(self.teachers.summary(), combine=self.dataset.teachers.combine,

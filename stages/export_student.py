@@ -34,10 +34,11 @@ def print_summary(s: ExportSummary) -> None:
     rows = [
         ("export", s.output_dir + ("" if s.complete else "  (partial: rerun the same command for the rest)")),
         ("teachers", ", ".join(s.teachers)),
-        ("rows", f"{s.rows:,} ({s.layout}), {s.tokens:,} student tokens, {s.mapped_fraction:.1%} with a teacher loss"),
+        ("rows", f"{s.rows:,} ({s.layout}), {s.student_tokens:,} student tokens ({s.tokens:,} stream tokens in the "
+                 f"rows, BOS/EOS included), {s.mapped_fraction:.1%} of these with a teacher loss"),
         ("shards", f"{s.shards_written} written now, {s.shards_done_before} found done, {s.shards_planned} planned"),
         ("formats", ", ".join(f"{name} {size:,} bytes ({size / tokens:.2f}/token)" for name, size in s.bytes.items())),
-        ("throughput", f"{s.tokens_per_s:,.0f} student tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
+        ("throughput", f"{s.tokens_per_s:,.0f} stream tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
         *store_row(s.store_calls),
     ]
     table = Table(title="export-student", show_header=False, title_justify="left")

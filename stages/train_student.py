@@ -19,10 +19,11 @@ from pathlib import Path
 
 from filelock import FileLock
 from hydra.utils import to_absolute_path
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
+from pipeline.train_student.mixture import run_corpus_name
 from pipeline.train_student.plan import TrainPlan, measure_decision, measure_steps, plan_training
 from pipeline.train_student.run import (
     TrainJobConfig,
@@ -46,6 +47,11 @@ from stages.common import (
 from storage_schemas import write_json_atomic
 
 log = logging.getLogger("train_student")
+
+# ``${run_corpus:${data.corpus},${data.mixture}}`` in conf/train_student.yaml: the run folder's corpus part,
+# a mixture's named after its corpora (docs/storage-schema.md, "What a student run writes").
+OmegaConf.register_new_resolver("run_corpus", lambda corpus, mixture: run_corpus_name(
+    corpus, [str(c.get("name")) for c in mixture] if mixture else None), replace=True)
 
 
 def job_config(cfg: DictConfig, check_files: bool = False) -> TrainJobConfig:
@@ -87,11 +93,13 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
     rows = [
         ("run", started(s)),
         ("data", f"teacher {d['teacher']}: {d['shards_used']} shards, {d['n_documents']:,} documents, "
-                 f"{d['n_tokens']:,} student tokens, {d['n_samples']:,} samples of {d['seq_len']}"),
+                 f"{d['student_tokens']:,} student tokens ({d['n_tokens']:,} stream tokens: BOS/EOS and every pass), "
+                 f"{d['n_samples']:,} samples of {d['seq_len']}"),
         ("skipped", f"{len(skipped)} shard(s): " + ", ".join(Path(b['file']).name for b in skipped) if skipped
          else f"no shard; {d['n_empty']} empty document(s) left out"),
         ("alignment", f"{d['alignment']} ({d['aggregate']})"),
-        ("steps", f"{s.steps} ({s.tokens_per_step:,} tokens each)"),
+        ("steps", f"{s.steps} ({s.tokens_per_step:,} tokens each)" + (
+            f"; train_loss {s.train_loss:.4g}, the mean over all {s.steps}" if s.train_loss is not None else "")),
         ("throughput", f"{s.tokens_per_s:,.0f} tokens/s over {s.seconds:.1f}s (this run, set-up included)"),
         ("non-finite", f"{len(s.nonfinite_steps)} step(s) skipped: " + ", ".join(map(str, s.nonfinite_steps[:20]))
          + (" ..." if len(s.nonfinite_steps) > 20 else "") if s.nonfinite_steps else "no step skipped"),
@@ -173,10 +181,16 @@ def main(cfg: DictConfig) -> None:
         print_plan(plan, job, measure_steps(job) if measure else None, why)
         return
     summary = run_training(job)
-    if _is_main_process():
-        print_summary(summary)
-        record = json.loads(json.dumps({**summary.__dict__, "tokens_per_s": summary.tokens_per_s}, default=str))
-        write_json_atomic(Path(job.output_dir) / "summary.json", record)
+    if not _is_main_process():
+        return
+    if summary.already_complete:  # its files stay as they were, summary.json included
+        print(f"train-student: {summary.output_dir} is already complete ({summary.steps} steps, its final model in "
+              f"{summary.final_model}); nothing was trained or written (overwrite=true trains it again)")
+        return
+    print_summary(summary)
+    record = {k: v for k, v in summary.__dict__.items() if k != "already_complete"}
+    record = json.loads(json.dumps({**record, "tokens_per_s": summary.tokens_per_s}, default=str))
+    write_json_atomic(Path(job.output_dir) / "summary.json", record)
 
 
 def _is_main_process() -> bool:

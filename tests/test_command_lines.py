@@ -102,7 +102,7 @@ def test_the_export_summary_names_its_folder_on_one_line(tmp_path, monkeypatch):
 
     out = str(tmp_path / ("a long folder name " * 6) / "it's")
     summary = ExportSummary(output_dir=out, layout="packed", formats=["parquet"], rows=1, shards_planned=1,
-                            shards_done_before=0, shards_written=1, tokens=1, tokens_this_run=1, mapped_fraction=1.0,
+                            shards_done_before=0, shards_written=1, tokens=1, student_tokens=1, tokens_this_run=1, mapped_fraction=1.0,
                             bytes={"parquet": 1}, complete=True, seconds=1.0)
     text = io.StringIO()
     monkeypatch.setattr(export_student, "Console", lambda: Console(file=text, width=60))  # a narrow terminal

@@ -51,7 +51,7 @@ from pipeline.shard_folder import (
     write_marker,
     write_shard_files,
 )
-from pipeline.student_side import PackingConfig, StudentData, build_student_data, teacher_identity
+from pipeline.student_side import PackingConfig, StudentData, build_student_data, document_tokens, teacher_identity
 from pipeline.tokenization import fingerprint, load_tokenizer, require_fast
 from storage_schemas import CARD_NAME, MANIFEST_NAME, ContractError, write_json_atomic
 from storage_schemas import filesystem as sfs
@@ -76,7 +76,8 @@ class ExportSummary:
     shards_planned: int
     shards_done_before: int
     shards_written: int
-    tokens: int  # student tokens in the whole export
+    tokens: int  # stream tokens (BOS/EOS included) in the whole export's rows: the manifest's totals.tokens
+    student_tokens: int  # the documents' own, one pass (pipeline.student_side.document_tokens), as stage 2 reports
     tokens_this_run: int
     mapped_fraction: float
     bytes: dict[str, int]  # per format, whole export
@@ -304,6 +305,7 @@ def _run_export(job: ExportJobConfig) -> ExportSummary:
     return ExportSummary(
         output_dir=str(job.output_dir), layout=job.export.layout, formats=list(job.export.formats), rows=n_rows,
         shards_planned=n_shards, shards_done_before=before, shards_written=len(written), tokens=totals["tokens"],
+        student_tokens=document_tokens(identity["packing"], identity["packing"]["epochs"]),
         tokens_this_run=sum(e["tokens"] for e in written),
         mapped_fraction=totals["mapped"] / totals["tokens"] if totals["tokens"] else float("nan"),
         bytes=totals["bytes"], complete=complete, seconds=time.perf_counter() - t0, write_cpu_seconds=cpu,

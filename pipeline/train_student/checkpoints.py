@@ -61,17 +61,38 @@ def is_complete_checkpoint(folder: str | os.PathLike) -> bool:
     return (Path(folder) / COMPLETE_NAME).is_file()
 
 
-def mark_complete(folder: str | os.PathLike, identity: dict, step: int, guard_state: dict) -> None:
+def mark_complete(folder: str | os.PathLike, identity: dict, step: int, guard_state: dict,
+                  loss_sum: float | None = None) -> None:
     """Complete a checkpoint the Trainer saved: the scored data's identity, then the marker (the
-    step and the non-finite guard's state), written last."""
+    step, the non-finite guard's state and the sum of the run's per-step losses up to the step),
+    written last."""
     write_data_identity(folder, identity)
-    write_json_atomic(Path(folder) / COMPLETE_NAME, {"step": step, "nonfinite": guard_state})
+    write_json_atomic(Path(folder) / COMPLETE_NAME, {"step": step, "nonfinite": guard_state,
+                                                     **({} if loss_sum is None else {"loss_sum": loss_sum})})
+
+
+def _marker(folder: str | os.PathLike | None) -> dict:
+    path = Path(folder) / COMPLETE_NAME if folder else None
+    return json.loads(path.read_text()) if path and path.is_file() else {}
 
 
 def read_guard_state(folder: str | os.PathLike | None) -> dict | None:
     """The non-finite guard's state recorded in a complete checkpoint (None: none)."""
-    path = Path(folder) / COMPLETE_NAME if folder else None
-    return json.loads(path.read_text()).get("nonfinite") if path and path.is_file() else None
+    return _marker(folder).get("nonfinite")
+
+
+def read_loss_sum(folder: str | os.PathLike | None) -> float:
+    """The sum of the run's per-step losses up to a complete checkpoint's step (0 without one), as
+    its marker records it; for a checkpoint written before markers did, from its logged losses
+    (each log's mean times the steps it covers: the steps after its last log are left out)."""
+    recorded = _marker(folder).get("loss_sum")
+    if recorded is not None or not folder:
+        return float(recorded or 0.0)
+    total, last = 0.0, 0
+    for record in trainer_state(folder).get("log_history", []):
+        if "loss" in record:
+            total, last = total + record["loss"] * (record["step"] - last), record["step"]
+    return total
 
 
 def write_data_identity(folder: str | os.PathLike, identity: dict) -> None:
@@ -89,6 +110,19 @@ def trainer_state(checkpoint: str | None) -> dict:
 
 def checkpoint_step(checkpoint: str | None) -> int:
     return int(trainer_state(checkpoint).get("global_step", 0))
+
+
+def recorded_summary(output_dir: str, checkpoint: str | None, steps: int) -> dict | None:
+    """The ``summary.json`` of a run that is complete: its checkpoint (this run's newest) is at its
+    last step, and ``final/`` and the summary are written, as the command leaves a run at its end.
+    None otherwise (then a rerun writes what is missing)."""
+    out = Path(output_dir)
+    if checkpoint is None or checkpoint_step(checkpoint) < steps or not (out / FINAL_NAME).is_dir():
+        return None
+    try:
+        return json.loads((out / SUMMARY_NAME).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 # ---- discovery and refusal -------------------------------------------------------------------

@@ -33,7 +33,8 @@ from pipeline.config import UserError
 from pipeline.export_folder import EXPORT_VERSION, EXPORT_VERSION_KEY, teacher_loss_column
 from pipeline.held_out_shards import held_out_record, hold_out
 from pipeline.several_teachers import open_teachers, unique_names
-from pipeline.student_side import AlignmentConfig, PackedDataset, StudentDataError, Window, resolve_alignment, teacher_identity
+from pipeline.student_side import (AlignmentConfig, PackedDataset, StudentDataError, Window, document_tokens,
+                                    resolve_alignment, teacher_identity)
 from pipeline.tokenization import bos_token_id, fingerprint
 from storage_schemas import MANIFEST_NAME
 from storage_schemas import filesystem as sfs
@@ -299,7 +300,8 @@ class ExportData:
 
     def summary(self) -> dict:
         first = (self.identity_record.get("teachers") or [{}])[0]
-        return {**self.plan.summary(), "alignment": self.alignment.method, "aggregate": self.alignment.aggregate,
+        return {**self.plan.summary(), "student_tokens": document_tokens(self.plan.record, self.plan.epochs),
+                "alignment": self.alignment.method, "aggregate": self.alignment.aggregate,
                 "shards_used": len(first.get("shards_used") or []),
                 "shards_skipped": [{"file": f} for f in first.get("shards_skipped") or []],
                 "teacher": ((first.get("teacher") or {}).get("teacher") or {}).get("name"), "export": self.folder}

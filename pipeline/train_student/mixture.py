@@ -31,6 +31,7 @@ the passes it would need.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections import OrderedDict
@@ -81,6 +82,18 @@ def mixture_problems(mixture: Sequence[MixtureCorpus]) -> list[str]:
     names = [c.name for c in mixture]
     twice = sorted({n for n in names if names.count(n) > 1})
     return found + ([f"mixture: corpus name(s) {', '.join(twice)} used twice; name each corpus once"] if twice else [])
+
+
+def run_corpus_name(corpus: str, names: Sequence[str] | None) -> str:
+    """The corpus part of a run's default folder (``<student_root>/<corpus>/<run_name>``): a mixture's
+    is ``mixture-`` and its corpora's names joined by ``+`` in their order (``mixture-math+web``;
+    beyond 100 characters, their number and a digest of the names), any other run's ``data.corpus``."""
+    if not names:
+        return corpus
+    joined = "+".join(names)
+    if len(joined) <= 100:
+        return f"mixture-{joined}"
+    return f"mixture-{len(names)}-corpora-{hashlib.sha256(joined.encode()).hexdigest()[:8]}"
 
 
 def recipe_of(mixture: Sequence[MixtureCorpus] | None) -> dict | None:
@@ -346,7 +359,7 @@ class MixtureData:
         weights = sum(c.weight for c in self.corpora)
         return {
             **parts[0],
-            **{k: sum(p[k] for p in parts) for k in ("n_documents", "n_empty", "n_tokens", "shards_used")},
+            **{k: sum(p[k] for p in parts) for k in ("n_documents", "n_empty", "n_tokens", "student_tokens", "shards_used")},
             "n_samples": len(self.dataset),
             "shards_skipped": [s for p in parts for s in p["shards_skipped"]],
             "mixture": [{"name": c.name, "weight": c.weight / weights, "share": int(n) / total, "samples": int(n),

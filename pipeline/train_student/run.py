@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -80,6 +80,8 @@ from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchErro
     prepare_run_folder,
     recover_run_folder,
     read_guard_state,
+    read_loss_sum,
+    recorded_summary,
     resolve_checkpoint,
     save_final,
     trainer_state,
@@ -498,6 +500,8 @@ class TrainSummary:
     nonfinite_steps: list[int] = field(default_factory=list)  # optimizer steps skipped (whole run)
     store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries (store_calls)
     evaluations: list[dict] = field(default_factory=list)  # train.eval_every: {step, eval_bits_per_byte, ...}
+    train_loss: float | None = None  # the mean loss over all the run's steps, resumed or continued ones included
+    already_complete: bool = False  # the run had ended before this call: it trained and wrote nothing
 
     @property
     def tokens_per_s(self) -> float:
@@ -550,6 +554,10 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
         if args.process_index == 0:
             recover_run_folder(job.output_dir)
     checkpoint = resolve_checkpoint(job.output_dir, job.train.resume, job.overwrite, job.recipe(), identity, student)
+    recorded = recorded_summary(job.output_dir, checkpoint, args.max_steps)
+    if recorded is not None:  # the same command again after the run's end: nothing is trained or written
+        names = {f.name for f in fields(TrainSummary)}
+        return TrainSummary(**{k: v for k, v in recorded.items() if k in names}, already_complete=True)
     continued = None  # a new continuation: it starts from the source run's stable checkpoint
     if checkpoint is None and job.train.continue_from:
         checkpoint = continued = continuation_checkpoint(job, identity, student, args.max_steps)
@@ -592,6 +600,7 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     guard.restore(read_guard_state(checkpoint))
     trainer = _trainer(job, args, load_student(student, len(tokenizer)), tokenizer, data, identity, guard, callbacks,
                        held_out, on_checkpoint)
+    trainer.earlier_loss_sum = read_loss_sum(checkpoint)  # the whole run's train_loss (trainer module docstring)
     if finished:
         log.info("%s is at step %d of %d: nothing to train", checkpoint, start_step, args.max_steps)
         trainer.state.log_history = trainer_state(checkpoint).get("log_history", [])
@@ -618,6 +627,7 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
         last_log=next((r for r in reversed(trainer.state.log_history) if "loss_kept" in r), {}),
         nonfinite_steps=list(trainer.guard.skipped),
         evaluations=[r for r in trainer.state.log_history if "eval_bits_per_byte" in r],
+        train_loss=next((r["train_loss"] for r in reversed(trainer.state.log_history) if "train_loss" in r), None),
     )
 
 

@@ -1,7 +1,7 @@
 """The Hugging Face ``Trainer`` with the teacher-guided loss (docs/METHOD.md §2.2), its metrics and
 its checkpoint records.
 
-:class:`GuidedTrainer` changes ``transformers.Trainer`` in six ways:
+:class:`GuidedTrainer` changes ``transformers.Trainer`` in eight ways:
 
 * ``compute_loss`` hands the student's logits to :func:`pipeline.guided_loss.guided_loss` (the public loss)
   with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.student_side`),
@@ -39,6 +39,12 @@ its checkpoint records.
   reduction), then training stops; the run then raises :class:`pipeline.config.Interrupted`. A
   resumed run goes on from that step exactly. The data-loader workers, which get the same signal
   from a scheduler, leave it to the training process.
+* its last log's ``train_loss`` is the mean loss over all the run's steps, those of the runs it
+  resumed or continued included (the Trainer's own counts this call's steps only), as an
+  uninterrupted run reports it: each complete checkpoint records the sum of the losses up to its
+  step (:meth:`GuidedTrainer.loss_sum`). Loading a checkpoint does not warn that a tied weight
+  (``lm_head.weight`` of a student with tied embeddings, never saved) is missing; any other
+  missing weight still is.
 
 Callbacks write the metrics as JSON lines and complete every checkpoint with the data identity
 and its marker (:mod:`pipeline.train_student.checkpoints`).
@@ -135,6 +141,10 @@ class GuidedTrainer(Trainer):
         self._micro = (-1, 0)  # (global step, micro-batch index within it)
         self._last_log_time = None
         self.stop_signal: int | None = None  # SIGTERM or SIGUSR1 noted while training (saving_on_signals)
+        self.earlier_loss_sum = 0.0  # the losses of the steps before this call's first (a resume, a continuation)
+        for callback in self.callback_handler.callbacks:  # each checkpoint records the run's loss sum
+            if isinstance(callback, CheckpointRecordCallback):
+                callback.loss_sum = self.loss_sum
 
     # ---- stopping on a signal (module docstring) ------------------------------------------------
 
@@ -286,6 +296,8 @@ class GuidedTrainer(Trainer):
     # ---- logging -----------------------------------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "train_loss" in logs and self.state.global_step:  # the end of training: the whole run's mean
+            logs["train_loss"] = (self.earlier_loss_sum + self._total_loss_scalar) / self.state.global_step
         if "loss" in logs and self._sums is not None:  # a training logging step, on every rank
             logs.update(self._selection_metrics())
             logs.update(self._teacher_log())
@@ -304,6 +316,20 @@ class GuidedTrainer(Trainer):
             super().log(logs, start_time)
         finally:
             self.state.epoch = trainer_epoch
+
+    def loss_sum(self) -> float:
+        """The sum of the per-step losses of the run's steps so far, earlier calls' included."""
+        return self.earlier_loss_sum + self._total_loss_scalar + float(self._tr_loss.item())
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        """The Trainer's warnings after loading a checkpoint, without the tied weights it lists as
+        missing (never saved: they are their source's, loaded); a missing source still warns."""
+        tied = getattr(self.model, "all_tied_weights_keys", None) or {}
+        missing = set(load_result.missing_keys)
+        untied = [k for k in load_result.missing_keys if k not in tied or tied[k] in missing]
+        if len(untied) < len(missing):
+            self.model.tie_weights()
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=untied))
 
     def _data_passes(self) -> float | None:
         """Passes over the documents so far (``epoch`` in the logs): samples consumed over the
@@ -503,6 +529,7 @@ class CheckpointRecordCallback(TrainerCallback):
         self.identity = identity
         self.guard = guard
         self.on_complete = on_complete  # called once a checkpoint is complete (rank 0)
+        self.loss_sum: Callable[[], float] | None = None  # GuidedTrainer.loss_sum, set by the trainer
 
     def on_save(self, args, state, control, **kwargs):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -510,6 +537,7 @@ class CheckpointRecordCallback(TrainerCallback):
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if folder.is_dir():
-                mark_complete(folder, self.identity, state.global_step, self.guard.state())
+                mark_complete(folder, self.identity, state.global_step, self.guard.state(),
+                              self.loss_sum() if self.loss_sum else None)
                 if self.on_complete is not None:
                     self.on_complete()

@@ -4,13 +4,17 @@ Trainer, the tiny real student and the micro scored dataset.
 The continuation's reference is an uninterrupted run of the full length, trained here; the
 schedule's is the warm-up / stable / cosine-decay formula worked out in the test; the evaluation's
 is the saved model's own loss over the held-out documents (read from the shard file with pyarrow),
-one unpadded block per forward pass."""
+one unpadded block per forward pass. Through the command: a run's final ``train_loss`` against the
+mean of the per-step losses in its metrics.jsonl, a rerun of a finished run against the sha256 and
+modification time of every file it holds, and the warning for a weight missing from a checkpoint."""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -257,3 +261,108 @@ def by_blocks(model, tokenizer, texts: list[str], window: int) -> tuple[float, i
             with torch.no_grad():
                 nats += model(input_ids=block, labels=block).loss.item() * (block.shape[1] - 1)
     return nats, n_tokens
+
+
+# ---- through the command: the whole run's train_loss, a rerun of a finished run, tied weights ---------
+
+
+def train_stage(student: Path, scored: Path, run: Path, steps: int, *args: str) -> subprocess.CompletedProcess:
+    """``python -m stages.train_student``: the tiny student, 2 sequences per step, wsd with 2 decay steps."""
+    return subprocess.run(
+        [sys.executable, "-m", "stages.train_student", "student.embedded=false", f"student.model={student}",
+         "student.seq_len=32", f"data.folders=[{scored}]", f"data.cache_dir={run.parent}/lengths", "data.num_workers=0",
+         "data.held_out_shards=0", "train.eval_every=null", "train.micro_batch_size=2",
+         "train.gradient_accumulation_steps=1", f"train.max_steps={steps}", "train.logging_steps=1", "train.save_steps=2",
+         "train.warmup_steps=1", "train.lr_scheduler=wsd", "train.lr_decay_steps=2", "train.use_cpu=true",
+         "train.report_to=[]", "train.cpu_threads=1", "train.progress=false", f"output_dir={run}",
+         f"hydra.run.dir={run.parent}/logs", *args],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+
+
+def finished(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def wsd_runs(tiny_student, micro_scored, tmp_path_factory) -> dict:
+    """Through the command: S, 6 steps straight; A, 4 steps; B, A continued to 6 steps (each result and folder)."""
+    root = tmp_path_factory.mktemp("wsd-runs")
+    runs = {"S": finished(train_stage(tiny_student, micro_scored, root / "S", 6)),
+            "A": finished(train_stage(tiny_student, micro_scored, root / "A", 4))}
+    runs["B"] = finished(train_stage(tiny_student, micro_scored, root / "B", 6, f"train.continue_from={root / 'A'}"))
+    return {"root": root, **runs}
+
+
+def whole_run_mean(run: Path) -> tuple[float, int]:
+    """The reference: the mean of the per-step losses metrics.jsonl logs (one line per step), and their number."""
+    losses = [r["loss"] for r in metrics(run)]
+    return sum(losses) / len(losses), len(losses)
+
+
+def test_train_loss_is_the_whole_runs_mean_after_a_resume_and_a_continuation(tiny_student, micro_scored, wsd_runs):
+    """An uninterrupted 6-step run, the same run killed after checkpoint-4 and resumed (played by
+    removing what the run wrote after that checkpoint), and a 4-step run continued to 6 steps:
+    each reports as train_loss (its last log line, summary.json, the printed summary) the mean of
+    the 6 per-step losses its metrics.jsonl holds, and the three agree."""
+    root = wsd_runs["root"]
+    resumed = root / "R"
+    shutil.copytree(root / "S", resumed)
+    for name in ("checkpoint-6", "final"):
+        shutil.rmtree(resumed / name)
+    (resumed / "summary.json").unlink()
+    r = finished(train_stage(tiny_student, micro_scored, resumed, 6))
+    assert "resumed from checkpoint-4" in r.stdout
+    reported = {}
+    for name, result in (("S", wsd_runs["S"]), ("R", r), ("B", wsd_runs["B"])):
+        run = root / name
+        mean, steps = whole_run_mean(run)
+        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+        summary = json.loads((run / "summary.json").read_text())
+        assert steps == 6 and last["train_loss"] == pytest.approx(mean, rel=1e-6), name
+        assert summary["train_loss"] == last["train_loss"], name
+        assert f"train_loss {mean:.4g}, the mean over all 6" in result.stdout, name
+        reported[name] = summary["train_loss"]
+    assert reported["R"] == pytest.approx(reported["S"], rel=1e-5)
+    assert reported["B"] == pytest.approx(reported["S"], rel=1e-5)
+    # the continuation's own steps (3 to 6) alone would give another mean: the test tells them apart
+    own = [rec["loss"] for rec in metrics(root / "B")][2:]
+    assert abs(sum(own) / len(own) - reported["B"]) > 1e-3
+
+
+def test_a_rerun_of_a_finished_run_changes_nothing_and_says_so(tiny_student, micro_scored, wsd_runs):
+    """The same command again after the run's end: every file under the run folder keeps its bytes
+    and its modification time, and the command says in one line that the run is already complete."""
+    run = wsd_runs["root"] / "S"
+
+    def files() -> dict:
+        return {str(p.relative_to(run)): (file_sha256(p), p.stat().st_mtime_ns) for p in sorted(run.rglob("*"))
+                if p.is_file()}
+
+    before = files()
+    assert "summary.json" in before and "final/model.safetensors" in before
+    again = finished(train_stage(tiny_student, micro_scored, run, 6))
+    assert files() == before
+    said = [line for line in again.stdout.splitlines() if "][INFO]" not in line]  # the log's lines aside
+    assert said == [f"train-student: {run} is already complete (6 steps, its final model in {run / 'final'}); nothing "
+                    "was trained or written (overwrite=true trains it again)"]
+
+
+def test_a_tied_weight_missing_from_a_checkpoint_is_silent_another_is_named(tiny_student, micro_scored, wsd_runs):
+    """The student ties its output layer to its embeddings: checkpoints hold no ``lm_head.weight``,
+    and loading one (a resume, a continuation) says nothing of it. A checkpoint that lacks a weight
+    the model does not tie (``model.norm.weight``, removed here from a copy of A's stable/) is named."""
+    from safetensors.torch import load_file, save_file
+
+    root = wsd_runs["root"]
+    stable = load_file(root / "A" / "stable" / "model.safetensors")
+    assert "lm_head.weight" not in stable and "model.norm.weight" in stable  # tied: never saved
+    for result in (wsd_runs["B"], wsd_runs["S"]):
+        assert "missing keys" not in result.stderr and "lm_head" not in result.stderr
+    damaged = root / "A-damaged"
+    shutil.copytree(root / "A", damaged)
+    del stable["model.norm.weight"]
+    save_file(stable, damaged / "stable" / "model.safetensors", metadata={"format": "pt"})
+    c = finished(train_stage(tiny_student, micro_scored, root / "C", 6, f"train.continue_from={damaged}"))
+    warned = [line for line in c.stderr.splitlines() if "missing keys" in line]
+    assert warned == ["[transformers] There were missing keys in the checkpoint model loaded: ['model.norm.weight']."]

@@ -355,3 +355,21 @@ def test_a_missing_corpus_folder_through_the_entry_point_is_one_line(tmp_path, c
                              "(score the corpus first: make score-teacher with the same teacher and data, or point "
                              "data.mixture[1].folders at a scored dataset)\n"), "the default data.folders are not read"
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mixture_run_is_filed_under_its_corpora_not_the_default_corpus(tiny_student, corpora, tmp_path):
+    """Through ``python -m stages.train_student`` without ``output_dir``: the run folder is
+    ``<student_root>/mixture-math+web/<run_name>`` (written out here by hand), nothing is filed under
+    the default ``data.corpus`` (owm-sample)."""
+    root = tmp_path / "students"
+    result = subprocess.run(
+        [sys.executable, "-m", "stages.train_student", f"hydra.run.dir={tmp_path}/logs", f"student_root={root}",
+         "run_name=r", "student.embedded=false", f"student.model={tiny_student}", "student.seq_len=32",
+         f"data.cache_dir={tmp_path}/lengths", "data.num_workers=0", "data.held_out_shards=0", "train.eval_every=null",
+         "train.max_steps=2", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1", "train.warmup_steps=0",
+         "train.use_cpu=true", "train.report_to=[]", "train.cpu_threads=1", "train.progress=false",
+         f"data.mixture=[{{name:math,weight:3,folders:[{corpora['math']}]}},{{name:web,weight:1,folders:[{corpora['web']}]}}]"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.relative_to(root).as_posix() for p in root.rglob("summary.json")) == ["mixture-math+web/r/summary.json"]
+    assert f"{root}/mixture-math+web/r/final" in result.stdout

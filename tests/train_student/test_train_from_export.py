@@ -8,6 +8,7 @@ export made with other settings is refused, each difference named.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -177,3 +178,44 @@ def test_an_export_with_other_settings_through_the_entry_point(tiny_student, mic
     assert result.stderr.startswith(f"error: data.export: {exported} was exported with other settings")
     assert "student.seq_len: the export has 32, this run 16" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_export_training_and_its_bill_count_the_same_student_tokens(tiny_student, micro_scored, tmp_path):
+    """Through the commands, on every shard (none held out): make export-student, train-student from
+    the export and from the scored folder, and train-student's plan=true all report as "student tokens"
+    the documents' own tokens in one pass, counted here by tokenizing the scored shards' texts; the
+    export's rows hold the stream (each document with BOS and EOS) in rows of 32 overlapping by one,
+    and the run's summary.json names both counts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_student))
+    texts = [t for f in sorted(Path(micro_scored).glob("shard-*.parquet")) for t in pq.read_table(f)["text"].to_pylist()]
+    lengths = [len(ids) for ids in tok(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
+    student_tokens = sum(lengths)
+    stream = sum(n + 2 for n in lengths if n)  # BOS and EOS around each document with a token
+    rows = (stream - 1) // 32
+
+    common = ["student.embedded=false", f"student.model={tiny_student}", "student.seq_len=32",
+              f"data.folders=[{micro_scored}]", f"data.cache_dir={tmp_path}/lengths", "data.held_out_shards=0",
+              f"hydra.run.dir={tmp_path}/logs"]
+    train = [*common, "train.eval_every=null", "train.max_steps=3", "train.micro_batch_size=2",
+             "train.gradient_accumulation_steps=1", "train.warmup_steps=0", "data.num_workers=0", "train.use_cpu=true",
+             "train.report_to=[]", "train.cpu_threads=1", "train.progress=false"]
+
+    def stage(name: str, *args: str) -> str:
+        result = subprocess.run([sys.executable, "-m", f"stages.{name}", *args], cwd=REPO, capture_output=True,
+                                text=True, timeout=600, env={**os.environ, "COLUMNS": "400"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    export = tmp_path / "export"
+    said = stage("export_student", *common, f"output_dir={export}", "export.progress=false")
+    assert f"{rows:,} (packed), {student_tokens:,} student tokens ({rows * 32 + 1:,} stream tokens in the rows" in said
+    assert json.loads((export / "manifest.json").read_text())["totals"]["tokens"] == rows * 32 + 1
+    plan = stage("train_student", *train, f"output_dir={tmp_path}/plan", "plan=true")
+    assert f"student tokens │ {student_tokens:,} " in plan and f"({stream:,} stream tokens" in plan
+    for source, args in (("folders", ()), ("export", (f"data.export={export}",))):
+        said = stage("train_student", *train, f"output_dir={tmp_path}/run-{source}", *args)
+        assert f"{student_tokens:,} student tokens ({stream:,} stream tokens: BOS/EOS and every pass)" in said, source
+        data = json.loads((tmp_path / f"run-{source}" / "summary.json").read_text())["data"]
+        assert (data["student_tokens"], data["n_tokens"], data["n_samples"]) == (student_tokens, stream, rows), source
