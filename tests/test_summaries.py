@@ -37,7 +37,7 @@ def test_stage1_summary_prints_the_folder_and_the_polars_command_whole():
 
 def test_stage2_summary_prints_the_model_path_and_tensorboard_command_whole():
     run = f"{DEEP}/outputs/students/owm-sample/tiny-tiny-guided"
-    data = {"teacher": "tiny", "shards_used": 12, "n_documents": 2998, "n_tokens": 3_000_000, "n_samples": 11_000,
+    data = {"teacher": "tiny", "shards_used": 12, "n_documents": 2998, "n_tokens": 3_000_000, "student_tokens": 2_994_004, "n_samples": 11_000,
             "seq_len": 256, "shards_skipped": [], "n_empty": 3, "alignment": "token", "aggregate": "max"}
     summary = TrainSummary(output_dir=run, final_model=f"{run}/final", steps=200, resumed_from=None,
                            tokens_per_step=8192, tokens_trained=1_638_400, seconds=120.0, data=data, last_log={})
