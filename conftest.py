@@ -45,7 +45,7 @@ REAL_TOKENIZER_FILES = {
 @pytest.fixture(scope="session")
 def real_tokenizer(shared_tokenizers):
     """``real_tokenizer(name)``: the real tokenizer, loaded once per session (Qwen2's takes ~10 s)."""
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     cache = {}
 

@@ -2,12 +2,12 @@
 
 Sides, all single-threaded (``TOKENIZERS_PARALLELISM=false``), compared by process CPU time:
 
-* ``tokenize``: :func:`pipeline.tokenization.encode_batch` of every document with the student
+* ``tokenize``: :func:`pipeline.method.tokenization.encode_batch` of every document with the student
   tokenizer (one batch call, offsets included): the work alignment is measured against;
-* ``align``: :func:`pipeline.alignment.align_document` for every document (max aggregation), given
+* ``align``: :func:`pipeline.method.alignment.align_document` for every document (max aggregation), given
   the student encodings and the teacher's spans and losses (teacher losses are random, NaN at the
   first token as for a teacher without BOS: alignment cost does not depend on the values);
-* ``align_documents``: the pipeline's batch API :func:`pipeline.alignment.align_documents` (what
+* ``align_documents``: the pipeline's batch API :func:`pipeline.method.alignment.align_documents` (what
   stage 2 calls) over ``batch_docs`` documents per call, checked equal to ``align`` bit for bit.
   The figure is the faster of the pipeline's two ways.
 
@@ -31,8 +31,8 @@ import numpy as np
 from benchmarks.inputs import REAL_TOKENIZERS
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
-from pipeline.alignment import AGGREGATIONS
-from pipeline.config import check_at_least, check_choice
+from pipeline.method.alignment import AGGREGATIONS
+from pipeline.runtime.config import check_at_least, check_choice
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,8 @@ class AlignmentBenchConfig:
 
 def run(cfg: AlignmentBenchConfig, student_tokenizer, teacher_tokenizer) -> dict:
     from benchmarks.inputs import math_texts
-    from pipeline.alignment import align_document, align_documents
-    from pipeline.tokenization import encode_batch
+    from pipeline.method.alignment import align_document, align_documents
+    from pipeline.method.tokenization import encode_batch
 
     texts = math_texts(cfg.min_bytes, cfg.seed)
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
@@ -190,7 +190,7 @@ def _profile(fn) -> dict:
 def _steps(groups: list[tuple], how: str, tokenize_cpu: float) -> dict:
     """CPU seconds of each step of ``align_documents`` over all batches (min of 3 runs), and as a
     share of the student tokenization: exactly where the alignment time goes."""
-    from pipeline.alignment import _align_monotone, _SharedLine, align_documents
+    from pipeline.method.alignment import _align_monotone, _SharedLine, align_documents
 
     lines = [_SharedLine.of(s, t) for s, t in groups]
     steps = {
@@ -215,7 +215,7 @@ def _cpu(fn) -> float:
 
 def _dtw(cfg, student_tok, teacher_tok, student, teacher, losses, align_all_cpu: float) -> dict:
     from benchmarks.dtw import dtw_align, dtw_cells
-    from pipeline.alignment import align_document
+    from pipeline.method.alignment import align_document
 
     n_s = np.asarray([len(e) for e in student])
     median = float(np.median(n_s))

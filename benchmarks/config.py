@@ -24,7 +24,7 @@ from benchmarks.student_data import StudentDataBenchConfig
 from benchmarks.teachers import TeachersBenchConfig
 from benchmarks.threads import ThreadsBenchConfig
 from benchmarks.vllm_backend import VLLMBackendBenchConfig
-from pipeline.config import build, check_at_least, raise_if
+from pipeline.runtime.config import build, check_at_least, raise_if
 
 # Merged over the settings when quick=true: same code paths, tiny sizes, one repetition.
 QUICK_SIZES: dict[str, Any] = {
@@ -90,7 +90,7 @@ class BenchConfig:
 
 def bench_config(values: Mapping[str, Any]) -> BenchConfig:
     """The typed configuration (:data:`QUICK_SIZES` merged in when ``quick`` is true); every problem
-    is reported at once (:class:`pipeline.config.ConfigError`)."""
+    is reported at once (:class:`pipeline.runtime.config.ConfigError`)."""
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(values, DictConfig):

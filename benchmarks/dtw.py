@@ -96,7 +96,7 @@ def dtw_path(series_1: Sequence[str], series_2: Sequence[str]) -> list[list[int]
 
 def dtw_align(student_tokenizer, student_ids, teacher_tokenizer, teacher_ids, teacher_losses) -> np.ndarray:
     """Per student token the max of the teacher losses its DTW-paired teacher tokens carry (NaN if
-    none is finite): the peers' answer to the question :func:`pipeline.alignment.align_document` answers."""
+    none is finite): the peers' answer to the question :func:`pipeline.method.alignment.align_document` answers."""
     s = token_strings(student_tokenizer, student_ids)
     t = token_strings(teacher_tokenizer, teacher_ids)
     losses = np.asarray(teacher_losses, dtype=np.float64)

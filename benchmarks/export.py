@@ -4,7 +4,7 @@ student token of each format, and peak memory as the corpus grows.
 On a real scored dataset (stage-1 output the bench makes itself: the tiny teacher's scoring of
 sample documents, float32 losses) with a real student tokenizer (TinyLlama's Llama-2 SentencePiece), single-threaded:
 
-* ``tokenize``: :func:`pipeline.tokenization.encode_batch` of the same documents, a row group per
+* ``tokenize``: :func:`pipeline.method.tokenization.encode_batch` of the same documents, a row group per
   call: the student tokenization the export cannot avoid;
 * ``export``: :func:`pipeline.export_student.job.run_export` of the first ``max_shards`` shards
   into a fresh folder, every format asked for, with the token counts cached beforehand (as a second
@@ -36,7 +36,7 @@ from pathlib import Path
 from benchmarks.inputs import REAL_TOKENIZERS
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
-from pipeline.config import check_at_least, check_choice
+from pipeline.runtime.config import check_at_least, check_choice
 
 FORMATS = ("parquet", "megatron", "litdata")
 
@@ -103,7 +103,7 @@ def run(cfg: ExportBenchConfig, work_dir: str | os.PathLike, tokenizer_dir: str 
         dataset: str | os.PathLike) -> dict:
     """``dataset``: a complete stage-1 output folder; ``tokenizer_dir``: the student tokenizer's folder."""
     from pipeline.export_student.job import run_export
-    from pipeline.tokenization import encode_batch
+    from pipeline.method.tokenization import encode_batch
     from storage_schemas.reader import open_scored_dataset, read_row_group
 
     work = Path(work_dir) / "export"

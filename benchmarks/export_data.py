@@ -4,7 +4,7 @@ On a real scored dataset (by default the tiny teacher's scoring of the sample co
 student tokenizer (TinyLlama's Llama-2 SentencePiece), exported once beforehand with the same
 settings (untimed), all single-threaded and compared by process CPU time:
 
-* ``aligned``: every packed sample of a fresh :class:`pipeline.student_side.PackedDataset` (plan
+* ``aligned``: every packed sample of a fresh :class:`pipeline.student_data.student_side.PackedDataset` (plan
   built beforehand: the steady state of training), read in order through a
   ``torch.utils.data.DataLoader`` in batches of ``batch_size`` samples, as the trainer reads it:
   reading the rows, tokenizing, aligning, packing;
@@ -33,7 +33,7 @@ from benchmarks.inputs import REAL_TOKENIZERS
 from benchmarks.measure import interleaved
 from benchmarks.results import figure
 from benchmarks.student_data import read_packed
-from pipeline.config import check_at_least, check_choice
+from pipeline.runtime.config import check_at_least, check_choice
 
 MEASURE = "stage-2 data from an export / aligned from the scored folders (samples per CPU-s)"
 FIRST_RUN = "stage-2 data, first run with its set-up: from an export / aligned (CPU time)"
@@ -66,7 +66,7 @@ def run(cfg: ExportDataBenchConfig, work_dir: str | os.PathLike, tokenizer_dir: 
 
     from benchmarks.export import subset
     from pipeline.export_student.job import run_export
-    from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
+    from pipeline.student_data.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
     from pipeline.train_student.from_export import ExportDataset, open_export_data
     from pipeline.train_student.run import DataConfig
     from storage_schemas.reader import open_scored_dataset

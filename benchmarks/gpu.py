@@ -43,8 +43,8 @@ What is measured (after warm-up, CUDA-synchronised, the sides of each part inter
   with the same documents scored elsewhere (a CPU's stage 1);
 * ``training``: the student training step at the TinyLlama 1.1B shape, sequence 2048: float32
   master weights, bf16 autocast (what the Trainer's ``bf16=True`` does), fused AdamW, with the
-  project's loss in ``guided`` mode and in ``cpt`` mode (:func:`pipeline.guided_loss.guided_loss`);
-* ``data``: the student data pipeline (read + tokenize + align + pack, :mod:`pipeline.student_side`)
+  project's loss in ``guided`` mode and in ``cpt`` mode (:func:`pipeline.method.guided_loss.guided_loss`);
+* ``data``: the student data pipeline (read + tokenize + align + pack, :mod:`pipeline.student_data.student_side`)
   in one process over a scored dataset written here (generated math text, random teacher losses),
   as packed tokens per CPU-second, next to the GPU's training tokens/s: the CPU cores one GPU needs;
 * ``vllm``: where ``vllm`` imports, the project's :class:`pipeline.score_teacher.backends.vllm.VLLMScorer`
@@ -77,7 +77,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from benchmarks.results import figure, markdown_table
-from pipeline.config import ConfigError, build, check_at_least, check_choice, raise_if
+from pipeline.runtime.config import ConfigError, build, check_at_least, check_choice, raise_if
 from stages.common import entry_point
 from storage_schemas import strict_json
 
@@ -414,7 +414,7 @@ def load_teacher(path: str, device, dtype_name: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     p = Path(path)
     tokenizer = load_tokenizer(str(p))
@@ -442,7 +442,7 @@ def bench_real_teacher(s: Settings, device, cfg: GpuBenchConfig, losses_path: Pa
     from pipeline.score_teacher.backends.base import ScorerConfig
     from pipeline.score_teacher.backends.hf import TransformersScorer
     from pipeline.score_teacher.teacher import WindowSettings, score_documents
-    from pipeline.tokenization import bos_token_id
+    from pipeline.method.tokenization import bos_token_id
 
     if not cfg.real_teacher:
         return {"skipped": "no trained teacher given (real_teacher=<file.gguf or model folder>, real_text=[files])"}
@@ -520,7 +520,7 @@ def cross_check(cfg: GpuBenchConfig) -> dict:
     from pipeline.score_teacher.backends.base import ScorerConfig
     from pipeline.score_teacher.backends.hf import TransformersScorer
     from pipeline.score_teacher.teacher import WindowSettings, score_documents
-    from pipeline.tokenization import bos_token_id
+    from pipeline.method.tokenization import bos_token_id
 
     s = Settings()
     table = pq.read_table(cfg.cross_check)
@@ -591,7 +591,7 @@ def _sha256(text: str | None) -> str | None:
 def bench_training(s: Settings, device, dtype_name: str, peak: float | None) -> dict:
     import torch
 
-    from pipeline.guided_loss import SelectionConfig, guided_loss
+    from pipeline.method.guided_loss import SelectionConfig, guided_loss
 
     _reset_memory(device)
     _tf32(device, True)
@@ -639,8 +639,8 @@ def bench_data(s: Settings, work: Path, teacher_tokenizer: str | None, student_t
     from pipeline.embedded.tiny_teacher import train_tokenizer
     from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
     from pipeline.score_teacher.writer import write_manifest, write_shard
-    from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
-    from pipeline.tokenization import encode_batch, load_tokenizer
+    from pipeline.student_data.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
+    from pipeline.method.tokenization import encode_batch, load_tokenizer
     from storage_schemas.reader import open_scored_dataset
 
     texts = math_texts(s.data_text_bytes, kinds=("clean", "noise"))

@@ -1,4 +1,4 @@
-"""Guided-loss overhead: one training step with :func:`pipeline.guided_loss.guided_loss` against
+"""Guided-loss overhead: one training step with :func:`pipeline.method.guided_loss.guided_loss` against
 the same step with plain cross-entropy, same model, same batch.
 
 A random-weight Llama student of tens of millions of parameters with the Llama-2 vocabulary size
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from benchmarks.inputs import RandomModelShape
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
-from pipeline.config import check_at_least
+from pipeline.runtime.config import check_at_least
 
 
 def _student_shape() -> RandomModelShape:
@@ -70,7 +70,7 @@ def run(cfg: GuidedLossBenchConfig) -> dict:
     import torch.nn.functional as F
 
     from benchmarks.inputs import build_model, count_parameters
-    from pipeline.guided_loss import SelectionConfig, guided_loss
+    from pipeline.method.guided_loss import SelectionConfig, guided_loss
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)

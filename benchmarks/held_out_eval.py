@@ -5,7 +5,7 @@ Both parts use the embedded tiny student (built as ``student=tiny`` builds it, u
 ``artifacts_dir``) and held-out documents taken from the last shard of the bench's scored dataset,
 as the embedded recipe holds its last shard out.
 
-* ``speed``: :func:`pipeline.bits_per_byte.text_losses` over the documents (tokenization, blocks,
+* ``speed``: :func:`pipeline.method.bits_per_byte.text_losses` over the documents (tokenization, blocks,
   padding, float32 log-softmax, sums: everything ``make eval-student`` and ``train.eval_every``
   do) against a bare forward (``model(input_ids).logits``) of the very same padded batches, made
   beforehand. Single-threaded, interleaved, compared by process CPU time; the figure is the
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
-from pipeline.config import check_at_least
+from pipeline.runtime.config import check_at_least
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def embedded_recipe() -> dict:
 
 def held_out_documents(dataset: str | os.PathLike, n: int) -> list[str]:
     """The first ``n`` non-empty documents of the last shard of ``dataset``."""
-    from pipeline.bits_per_byte import shard_documents
+    from pipeline.method.bits_per_byte import shard_documents
     from storage_schemas import filesystem as sfs
     from storage_schemas.reader import ScoredDataset
 
@@ -99,8 +99,8 @@ def measure_speed(cfg: HeldOutEvalBenchConfig, student: Path, texts: list[str], 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.bits_per_byte import blocks, default_window, first_token, text_losses
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.bits_per_byte import blocks, default_window, first_token, text_losses
+    from pipeline.method.tokenization import load_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)

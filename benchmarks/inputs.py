@@ -4,7 +4,7 @@ Everything is deterministic and cached under the bench's work folder, so a secon
 slow set-up (loading a GGUF vocabulary is slow; a folder with ``tokenizer.json`` loads fast):
 
 * :func:`real_tokenizer` loads one of the paper's tokenizers from ``../shared/tokenizers`` through
-  :func:`pipeline.tokenization.load_tokenizer`, saves it as a plain tokenizer folder and, from then
+  :func:`pipeline.method.tokenization.load_tokenizer`, saves it as a plain tokenizer folder and, from then
   on, loads the folder, after checking once that both give the same fingerprint;
 * :func:`math_texts` takes the clean documents of the sample corpus generator until the text
   reaches a byte budget;
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.results import figure
-from pipeline.config import check_at_least
+from pipeline.runtime.config import check_at_least
 from pipeline.embedded.model_shape import ModelShape
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def _load_real(name: str, tokenizers_dir: Path, cache_dir: Path):
     it (Qwen2's reload adds an NFC normaliser)."""
     import pickle
 
-    from pipeline.tokenization import fingerprint, load_tokenizer
+    from pipeline.method.tokenization import fingerprint, load_tokenizer
 
     source = tokenizers_dir / REAL_TOKENIZERS[name]
     if not source.is_file():
@@ -219,8 +219,8 @@ def corpus_windows(task: dict) -> tuple[list[str], list]:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from pipeline.tokenization import encode_batch, load_tokenizer
-    from pipeline.windows import plan_windows
+    from pipeline.method.tokenization import encode_batch, load_tokenizer
+    from pipeline.method.windows import plan_windows
 
     cfg = task["cfg"]
     texts: list[str] = []

@@ -9,7 +9,7 @@ carries the parent's peak over ``fork`` and ``exec`` into it). Workloads, each a
 
 * ``stage1``: :func:`pipeline.score_teacher.job.run_score_job` with a small random-weight teacher
   (Mistral's 32k vocabulary), Ray started by the job;
-* ``student_data``: :func:`pipeline.student_side.build_student_data` (student: the Llama-2
+* ``student_data``: :func:`pipeline.student_data.student_side.build_student_data` (student: the Llama-2
   tokenizer) over the stage-1 output, then every packed sample read;
 * ``train``: :func:`pipeline.train_student.run.run_training` of a small random-weight student for a fixed
   number of steps (the data plan covers the whole corpus; the steps do not grow with it);
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from benchmarks.inputs import REAL_TOKENIZERS, RandomModelShape
 from benchmarks.results import figure
-from pipeline.config import check_at_least, check_choice
+from pipeline.runtime.config import check_at_least, check_choice
 
 WORKLOADS = ("stage1", "student_data", "train", "inspect")
 
@@ -188,8 +188,8 @@ def _stage1(a: dict) -> dict:
 
 
 def _student_data(a: dict) -> dict:
-    from pipeline.student_side import AlignmentConfig, PackingConfig, build_student_data
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+    from pipeline.method.tokenization import load_tokenizer
     from storage_schemas.reader import open_scored_dataset
 
     shutil.rmtree(a["cache_dir"], ignore_errors=True)

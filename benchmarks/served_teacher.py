@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.inputs import corpus_windows, run_in_vllm_env
 from benchmarks.results import figure
-from pipeline.config import check_at_least
+from pipeline.runtime.config import check_at_least
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURES = {

@@ -48,7 +48,7 @@ import numpy as np
 from benchmarks.inputs import REAL_TOKENIZERS, RandomModelShape
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
-from pipeline.config import check_at_least, check_choice
+from pipeline.runtime.config import check_at_least, check_choice
 
 
 @dataclass(frozen=True)
@@ -274,8 +274,8 @@ class _BareForward:
         )
         from pipeline.score_teacher.corpus import CorpusConfig, plan_shards, read_shard, resolve_sources
         from pipeline.score_teacher.teacher import classify
-        from pipeline.tokenization import bos_token_id, encode_batch, load_tokenizer
-        from pipeline.windows import plan_windows
+        from pipeline.method.tokenization import bos_token_id, encode_batch, load_tokenizer
+        from pipeline.method.windows import plan_windows
         from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 
         self.cfg = cfg

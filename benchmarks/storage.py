@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.results import figure
-from pipeline.config import check_at_least
+from pipeline.runtime.config import check_at_least
 from storage_schemas import filesystem as sfs
 
 ZSTD_LEVELS = range(1, 23)

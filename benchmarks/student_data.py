@@ -4,12 +4,12 @@ On a real scored dataset (stage-1 output; by default the tiny teacher's byte-lev
 the sample corpus) with the real student tokenizer (TinyLlama's Llama-2 SentencePiece), all
 single-threaded and compared by process CPU time:
 
-* ``tokenize``: :func:`pipeline.tokenization.encode_batch` of the same documents, a row group
+* ``tokenize``: :func:`pipeline.method.tokenization.encode_batch` of the same documents, a row group
   (up to 1024 documents) per call: the tokenization the pipeline cannot avoid;
-* ``pipeline``: every packed sample of a fresh :class:`pipeline.student_side.PackedDataset` read
+* ``pipeline``: every packed sample of a fresh :class:`pipeline.student_data.student_side.PackedDataset` read
   in order through a ``torch.utils.data.DataLoader`` in batches of ``batch_size`` samples (the
   training micro batch), as the trainer's data loader reads it: reading the rows, tokenizing,
-  aligning, packing (the plan, built once by :func:`pipeline.student_side.build_student_data`, is
+  aligning, packing (the plan, built once by :func:`pipeline.student_data.student_side.build_student_data`, is
   not timed: the steady state of training);
 * ``pipeline_cold``: a first run, everything included: ``build_student_data`` with an empty length
   cache (its length pass tokenizes every document once more before training starts, and it
@@ -30,7 +30,7 @@ from pathlib import Path
 from benchmarks.inputs import REAL_TOKENIZERS
 from benchmarks.measure import interleaved, profile_parts, ratio
 from benchmarks.results import figure
-from pipeline.config import check_at_least, check_choice
+from pipeline.runtime.config import check_at_least, check_choice
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def read_packed(dataset, batch_size: int) -> int:
     """Every sample of a packed dataset through a data loader, as training reads it; the tokens delivered."""
     import torch
 
-    from pipeline.student_side import collate_packed
+    from pipeline.student_data.student_side import collate_packed
 
     for _ in torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collate_packed):
         pass
@@ -66,8 +66,8 @@ def read_packed(dataset, batch_size: int) -> int:
 
 def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike) -> dict:
     """``dataset``: a complete stage-1 output folder."""
-    from pipeline.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
-    from pipeline.tokenization import encode_batch
+    from pipeline.student_data.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
+    from pipeline.method.tokenization import encode_batch
     from storage_schemas.reader import open_scored_dataset, read_row_group
 
     scored = open_scored_dataset([str(dataset)])
@@ -102,13 +102,13 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer, dat
             shutil.rmtree(cache, ignore_errors=True)
 
     breakdown = profile_parts(pipeline, {
-        "tokenize (encode_batch, a request's documents and its read-ahead per call)": ("pipeline/tokenization.py", "encode_batch"),
+        "tokenize (encode_batch, a request's documents and its read-ahead per call)": ("pipeline/method/tokenization.py", "encode_batch"),
         "  of which the Rust tokenizer": ("~", "<method 'encode_batch' of 'tokenizers.Tokenizer' objects>"),
         "np.asarray, all callers (offset lists, row values)": ("~", "<built-in method numpy.asarray>"),
-        "align (align_documents)": ("pipeline/alignment.py", "align_documents"),
+        "align (align_documents)": ("pipeline/method/alignment.py", "align_documents"),
         "read rows (ShardReader.row)": ("storage_schemas/reader.py", "row"),
-        "_encode (read + tokenize + align + per-document arrays)": ("pipeline/student_side.py", "_encode"),
-        "__getitems__ (everything but collation)": ("pipeline/student_side.py", "__getitems__"),
+        "_encode (read + tokenize + align + per-document arrays)": ("pipeline/student_data/student_side.py", "_encode"),
+        "__getitems__ (everything but collation)": ("pipeline/student_data/student_side.py", "__getitems__"),
     })
     sides = {"tokenize": tokenize, "pipeline": pipeline}
     if cfg.cold:

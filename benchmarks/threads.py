@@ -4,7 +4,7 @@ every usable core), the two alternating, first on the machine as it is and then 
 second process (a child that spins while the second half runs).
 
 The project trains its tiny models in one thread and gives each Ray actor one thread per CPU it
-was given, never more than the cores (:mod:`pipeline.cpu_threads`). The figures say what that
+was given, never more than the cores (:mod:`pipeline.runtime.cpu_threads`). The figures say what that
 costs and saves: the many-thread step's wall time over the one-thread step's, without and with the
 busy neighbour (above 1: one thread is faster). Multi-threaded, so wall time; the load average
 before each half is recorded, since the machine's other work changes both figures.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from benchmarks.measure import interleaved, ratio
 from benchmarks.results import figure
-from pipeline.config import check_at_least
+from pipeline.runtime.config import check_at_least
 
 SPIN = "while True: pass"
 
@@ -47,7 +47,7 @@ def run(cfg: ThreadsBenchConfig) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipeline.cpu_threads import torch_threads, usable_cores
+    from pipeline.runtime.cpu_threads import torch_threads, usable_cores
     from pipeline.embedded.tiny_teacher import TinyTeacherSpec
 
     many = cfg.threads or usable_cores()

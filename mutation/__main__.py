@@ -43,7 +43,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError, build, raise_if
+from pipeline.runtime.config import ConfigError, build, raise_if
 from stages.common import entry_point
 
 REPO = Path(__file__).resolve().parents[1]

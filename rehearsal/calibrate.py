@@ -29,7 +29,7 @@ def tiny_teacher_losses(n_docs: int) -> np.ndarray:
     from pipeline.score_teacher.backends.hf import TransformersScorer
     from pipeline.score_teacher.corpus import Document
     from pipeline.score_teacher.teacher import WindowSettings, score_documents
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     teacher = ensure_tiny_teacher("artifacts")
     texts = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.config import build, check_at_least, raise_if
+from pipeline.runtime.config import build, check_at_least, raise_if
 
 STEPS = ("corpus", "stage1", "rerun", "count", "train", "export", "summary", "validate", "s3", "kills", "markers")
 FORMATS = ("parquet", "megatron")

@@ -110,7 +110,7 @@ class Pool:
 
     def chars_per_token(self, tokenizer, sample: int = 1500, seed: int = 0) -> float:
         """Characters per teacher token over ``sample`` pages drawn at random."""
-        from pipeline.tokenization import encode_batch
+        from pipeline.method.tokenization import encode_batch
 
         picks = np.random.default_rng([seed, 1 << 20]).choice(len(self.texts), size=min(sample, len(self.texts)),
                                                                replace=False)

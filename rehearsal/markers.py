@@ -96,7 +96,7 @@ def op_progress(folder: Path, n: int) -> dict:
     writes themselves are counted, not made (``manifest writing`` measures one): their total is
     estimated from the number of shards each would list."""
     from pipeline.score_teacher.writer import finished_shards
-    from pipeline.shard_folder import ShardProgress
+    from pipeline.folders.shard_folder import ShardProgress
 
     entries = finished_shards(folder)
     clock = [0.0]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pipeline.config import check_at_least, check_choice
+from pipeline.runtime.config import check_at_least, check_choice
 from pipeline.embedded.model_shape import ModelShape
 from pipeline.embedded.sample_corpus import build_sample_corpus, clean_texts, generate_documents
 from pipeline.embedded.tiny_student import new_student_model, train_student_tokenizer

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeline.config import build, check_at_least, check_choice, raise_if
+from pipeline.runtime.config import build, check_at_least, check_choice, raise_if
 from repro.build import CorpusSpec, PretrainSpec, StudentSpec, TeacherSpec
 
 MAIN_CORPUS = "main"  # the student corpus of the corpus section (its noise share also makes the bases' mixture)

@@ -163,7 +163,7 @@ def selection_stats(batches: list[dict[str, np.ndarray]]) -> dict:
     """What one selection takes, over diagnosed micro-batches. Each batch holds (B, L) arrays:
     ``l_s`` (student loss), ``l_t`` (teacher loss, NaN where unmapped), ``mapped``, ``valid``,
     ``kind`` (page kind of the target's document), ``doc`` (its document), ``ids`` (the target
-    token), ``trained`` and ``selected`` (the loss's masks, :func:`pipeline.guided_loss.select_tokens`).
+    token), ``trained`` and ``selected`` (the loss's masks, :func:`pipeline.method.guided_loss.select_tokens`).
 
     Returns: the share of the selected (mapped) tokens from each page kind and the rate at which
     each kind's candidates are selected; the mean teacher loss, excess loss ``l_s - l_t`` and
@@ -216,7 +216,7 @@ def diagnosis_batches(job, corpus_files: list[Path], n_batches: int) -> tuple[li
     """The micro-batches stage 2 would form right after the run's last trained sample (the same
     data order for every arm of one seed, unseen by all of them): (B, L) ``input_ids``, ``ids``
     (targets), ``l_t``, ``mapped``, ``valid``, ``doc`` and ``kind`` per batch, and where they are."""
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(job.student.tokenizer or job.student.model)
     batches, where, data, doc_ids = _batches(job, tokenizer, n_batches)
@@ -269,7 +269,7 @@ def batch_losses(model_folder: str | Path, batches: list[dict[str, np.ndarray]])
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.guided_loss import token_cross_entropy
+    from pipeline.method.guided_loss import token_cross_entropy
 
     model = AutoModelForCausalLM.from_pretrained(str(model_folder), use_safetensors=True, torch_dtype=torch.float32)
     model.eval()
@@ -283,10 +283,10 @@ def batch_losses(model_folder: str | Path, batches: list[dict[str, np.ndarray]])
 
 def select(batches: list[dict[str, np.ndarray]], losses: list[np.ndarray], config) -> list[dict[str, np.ndarray]]:
     """The batches with ``l_s`` and the ``trained``/``selected`` masks of ``config`` (a
-    :class:`pipeline.guided_loss.SelectionConfig`; guided or cpt), as the trainer's loss selects."""
+    :class:`pipeline.method.guided_loss.SelectionConfig`; guided or cpt), as the trainer's loss selects."""
     import torch
 
-    from pipeline.guided_loss import select_tokens
+    from pipeline.method.guided_loss import select_tokens
 
     out = []
     for b, l_s in zip(batches, losses):
@@ -300,7 +300,7 @@ def loss_groups(batches: list[dict[str, np.ndarray]], base_losses: list[np.ndarr
     """Masks of the tokens by what the base student's guided selection (batch ranking) takes at
     ``ratios``: math-page tokens in its top ``ratios[0]``, between ``ratios[0]`` and ``ratios[1]``, the
     other math-page tokens; and noise-page tokens; (B, L) bool per batch and group."""
-    from pipeline.guided_loss import SelectionConfig
+    from pipeline.method.guided_loss import SelectionConfig
 
     low = select(batches, base_losses, SelectionConfig(ratio=ratios[0]))
     high = select(batches, base_losses, SelectionConfig(ratio=ratios[1]))
@@ -337,7 +337,7 @@ def diagnose_sweep(tasks: list, base_folder: str | Path, corpus_files: list[Path
     student's selection (:func:`loss_groups`). ``tasks``: the runs (:class:`repro.runner.RunTask`)
     of one student, teacher and corpus, alignment as ``guided``'s, that differ only in
     ``loss.mode``/``ratio``/``rank_over``. Figures are means over ``seeds``; each seed's are kept."""
-    from pipeline.guided_loss import SelectionConfig
+    from pipeline.method.guided_loss import SelectionConfig
 
     tasks = [t for t in tasks if t.seed in seeds and (Path(t.job.output_dir) / "final").is_dir()]
     key = {"runs": sorted(t.key() for t in tasks), "n_batches": n_batches, "base": str(base_folder),

@@ -2,7 +2,7 @@
 
 Bits per UTF-8 byte divide the summed next-token loss of a text by its size, so students with
 different tokenizers are compared on the same footing; the computation is the library's
-(:mod:`pipeline.bits_per_byte`: every text token predicted after the student's BOS, or
+(:mod:`pipeline.method.bits_per_byte`: every text token predicted after the student's BOS, or
 its EOS where it has none, long texts in blocks carrying the previous block's last token).
 
 Answers use worked problems in the corpus's own format (``Example k. <question>`` then
@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from pipeline.embedded.sample_corpus import arithmetic_problems
-from pipeline.bits_per_byte import first_token, summarize, text_losses
+from pipeline.method.bits_per_byte import first_token, summarize, text_losses
 
 _EQUATION = re.compile(r"^(-?\d+) \S (-?\d+) = (-?\d+)$")
 
@@ -63,7 +63,7 @@ def completion_items(n: int, seed: int) -> list[Completion]:
 
 def bits_per_byte(model, tokenizer, texts: list[str], window: int = 256, batch_size: int = 16) -> dict:
     """Summed next-token loss over ``texts`` in bits per UTF-8 byte, plus nats per token
-    (:mod:`pipeline.bits_per_byte`, which ``make eval-student`` uses too)."""
+    (:mod:`pipeline.method.bits_per_byte`, which ``make eval-student`` uses too)."""
     totals = summarize(text_losses(model, tokenizer, texts, window=window, batch_size=batch_size))
     return {"bits_per_byte": totals["bits_per_byte"], "nats_per_token": totals["nats_per_token"],
             "n_bytes": totals["bytes"], "n_tokens": totals["tokens"]}

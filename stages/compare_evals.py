@@ -17,7 +17,7 @@ from pathlib import Path
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.config import defaults
+from pipeline.runtime.config import defaults
 from pipeline.evaluation.compare import (
     compare,
     load_result,

@@ -1,7 +1,7 @@
 """``python -m stages.convert_teacher teacher=<name>`` (``make convert-teacher``): write a
 safetensors copy of a teacher whose checkpoint ships only pickle (``.bin``) weights, read once with
 ``torch.load(weights_only=True)``, or of a GGUF checkpoint (``teacher.model=<file>.gguf``),
-dequantized to float32 (:func:`pipeline.model_source.convert_gguf`); then score with
+dequantized to float32 (:func:`pipeline.folders.model_source.convert_gguf`); then score with
 ``teacher.model=<that folder>``. Configuration: ``conf/convert_teacher.yaml``.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import replace
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError, defaults
-from pipeline.model_source import check_teacher_source, convert_gguf, convert_to_safetensors
+from pipeline.runtime.config import ConfigError, defaults
+from pipeline.folders.model_source import check_teacher_source, convert_gguf, convert_to_safetensors
 from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
 from stages.common import build, entry_point, make_command, override, plain, quiet_libraries, raise_if
 

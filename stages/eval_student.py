@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.config import defaults
+from pipeline.runtime.config import defaults
 from pipeline.evaluation.generation import GenerationConfig, GenerationSettings
 from pipeline.evaluation.held_out import BitsPerByteSettings, resolve
 from pipeline.evaluation.run import (
@@ -33,8 +33,8 @@ from pipeline.evaluation.run import (
     run_evaluation,
 )
 from pipeline.evaluation.tasks import TASKS
-from pipeline.model_source import local_model_problem
-from pipeline.output_folder import overlap_problem
+from pipeline.folders.model_source import local_model_problem
+from pipeline.folders.output_folder import overlap_problem
 from stages.common import build, entry_point, plain, quiet_libraries, raise_if
 from storage_schemas import filesystem as sfs
 

@@ -17,7 +17,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig
 from rich.console import Console
 
-from pipeline.config import defaults
+from pipeline.runtime.config import defaults
 from pipeline.inspection import commands
 from pipeline.inspection.commands import InspectConfig, inspect_config, tokenizer_slug  # noqa: F401  (the stage's interface)
 from stages.common import CONF_DIR, entry_point, plain, quiet_libraries

@@ -23,9 +23,9 @@ from rich.console import Console
 
 from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher, sample_corpus_dir, tiny_teacher_dir
 from pipeline.embedded.tiny_teacher import TinyTeacherSpec
-from pipeline.model_source import check_teacher_source, check_tokenizer_source, resolve_gguf_teacher
-from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
-from pipeline.rehearsal import REHEARSAL_BACKEND
+from pipeline.folders.model_source import check_teacher_source, check_tokenizer_source, resolve_gguf_teacher
+from pipeline.folders.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.folders.rehearsal import REHEARSAL_BACKEND
 from pipeline.score_teacher.job import (
     JobSummary,
     ScoreJobConfig,
@@ -250,7 +250,7 @@ def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)
     build_embedded(cfg)
-    if job.scorer.backend != REHEARSAL_BACKEND:  # a GGUF teacher: its converted folder (pipeline.model_source)
+    if job.scorer.backend != REHEARSAL_BACKEND:  # a GGUF teacher: its converted folder (pipeline.folders.model_source)
         job = replace(job, teacher=resolve_gguf_teacher(job.teacher, to_absolute_path(cfg.artifacts_dir)))
     if job.scorer.backend == REHEARSAL_BACKEND:  # no model: only its tokenizer is loaded
         check_tokenizer_source("teacher.model", job.teacher.tokenizer or job.teacher.model, job.teacher.revision)

@@ -30,7 +30,7 @@ from storage_schemas import filesystem as sfs
 from storage_schemas.schema import SCHEMA_VERSION, ContractError
 
 MANIFEST_NAME = "manifest.json"
-CARD_NAME = "README.md"  # the dataset card (pipeline.dataset_card), derived from the manifest
+CARD_NAME = "README.md"  # the dataset card (pipeline.folders.dataset_card), derived from the manifest
 # shard-NNNNNN.parquet (local) or shard-NNNNNN.<attempt>.parquet (object store)
 SHARD_RE = re.compile(r"^shard-(\d{6})(?:\.([0-9a-f]{8,32}))?\.parquet$")
 MARKER_SUFFIX = ".done.json"

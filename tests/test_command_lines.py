@@ -51,7 +51,7 @@ def test_a_tilde_is_the_home_folder_and_a_folder_given_as_corpus_files_gets_its_
 
 def test_a_relative_teacher_path_is_not_taken_for_a_hub_id_without_a_word():
     """The check stage 1 runs before Ray (its one-line path through the command line: row 26)."""
-    from pipeline.model_source import TeacherSourceError, check_teacher_source
+    from pipeline.folders.model_source import TeacherSourceError, check_teacher_source
     from pipeline.score_teacher.job import TeacherConfig
 
     with pytest.raises(TeacherSourceError) as refusal:  # offline here, as in every test (conftest)

@@ -1,10 +1,10 @@
-"""pipeline.config: defaults as a config file writes them, and build() reporting every problem."""
+"""pipeline.runtime.config: defaults as a config file writes them, and build() reporting every problem."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.config import build, defaults, nearest
+from pipeline.runtime.config import build, defaults, nearest
 
 
 @dataclass(frozen=True)

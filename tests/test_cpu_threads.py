@@ -1,4 +1,4 @@
-"""torch's threads never outnumber the cores a process may use: the rule (pipeline.cpu_threads) on a
+"""torch's threads never outnumber the cores a process may use: the rule (pipeline.runtime.cpu_threads) on a
 machine of 4 usable cores, a cgroup quota read from its files, and the threads a real stage-2 run
 trains with. The machine's affinity is replaced where the rule needs other cores than this one has."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from pipeline import cpu_threads
-from pipeline.cpu_threads import cgroup_quota, threads_for, usable_cores
+from pipeline.runtime import cpu_threads
+from pipeline.runtime.cpu_threads import cgroup_quota, threads_for, usable_cores
 
 
 def physical_cores() -> int:

@@ -72,7 +72,7 @@ def test_progress_is_one_key_in_every_command(stage, tmp_path):
 
 
 def test_progress_sets_the_commands_own_key():
-    from pipeline.config import lift_progress
+    from pipeline.runtime.config import lift_progress
 
     assert lift_progress({"progress": False, "train": {"max_steps": 3, "progress": True}}, "train") == {
         "train": {"max_steps": 3, "progress": False}}

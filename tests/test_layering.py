@@ -3,7 +3,10 @@
 * the contract (``storage_schemas``) imports nothing of the project;
 * the library (``pipeline``) never imports the entry points, the lab or Hydra;
 * no module of one stage package (``pipeline.<stage>``) imports another stage's modules: what two
-  stages share lives in the shared modules at ``pipeline``'s top level;
+  stages share lives in the shared sub-packages, which sit on floors: ``pipeline.runtime`` (errors,
+  threads, quiet output) at the bottom, ``pipeline.method`` above it, ``pipeline.folders`` and
+  ``pipeline.student_data`` side by side above that; a shared module imports only floors below its
+  own (and its own package), never a stage; ``pipeline``'s root holds packages only;
 * no import cycle among the project's modules, counting lazy (function-level) imports too.
 """
 
@@ -80,6 +83,30 @@ def test_no_stage_imports_another_stages_modules():
         other = sorted(d for d in deps if stage_of(d) not in (None, own))
         if other:
             bad[module] = other
+    assert bad == {}
+
+
+FLOORS = {"runtime": 0, "method": 1, "folders": 2, "student_data": 2}
+
+
+def test_pipeline_root_holds_packages_only():
+    loose = sorted(p.name for p in (REPO / "pipeline").glob("*.py") if p.name != "__init__.py")
+    assert loose == []
+    packages = {p.name for p in (REPO / "pipeline").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == {*FLOORS, *STAGES, "embedded"}, "a new package gets a floor here or is a stage"
+
+
+def test_shared_floors_import_only_lower_floors():
+    bad = {}
+    for module, deps in graph().items():
+        parts = module.split(".")
+        if parts[0] != "pipeline" or len(parts) < 2 or parts[1] not in FLOORS:
+            continue
+        own = parts[1]
+        wrong = sorted(d for d in deps if d.startswith("pipeline.") and d.split(".")[1] != own
+                       and FLOORS.get(d.split(".")[1], 99) >= FLOORS[own])
+        if wrong:
+            bad[module] = wrong
     assert bad == {}
 
 

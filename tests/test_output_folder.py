@@ -1,4 +1,4 @@
-"""Replacing an output folder loses nothing (pipeline.output_folder), on real folders in tmp_path.
+"""Replacing an output folder loses nothing (pipeline.folders.output_folder), on real folders in tmp_path.
 
 The reference is always the folder as it was, read back byte for byte before anything ran: a
 restore, and a recovery from a process killed at each step of a replacement, must give it back
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.output_folder import overlap_problem, recover, set_aside
+from pipeline.folders.output_folder import overlap_problem, recover, set_aside
 
 
 def tree(folder: Path) -> dict[str, str]:

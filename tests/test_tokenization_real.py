@@ -5,7 +5,7 @@ import shutil
 import numpy as np
 import pytest
 
-from pipeline.tokenization import TokenizerError, bos_token_id, encode, encode_batch, fingerprint
+from pipeline.method.tokenization import TokenizerError, bos_token_id, encode, encode_batch, fingerprint
 
 TEXTS = [
     "Let $x^2 + y^2 = r^2$ and \\frac{a}{b} \\le \\sqrt{2}.",
@@ -82,7 +82,7 @@ def test_fingerprint_tells_vocabularies_apart(real_tokenizer, shared_tokenizers,
     different for another vocabulary and for the same one with a single token added."""
     from transformers import AutoTokenizer
 
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     a, b = real_tokenizer("llama-spm"), real_tokenizer("mistral")
     again = load_tokenizer(str(shared_tokenizers / FILES["llama-spm"]))

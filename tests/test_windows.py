@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.windows import plan_windows, stitch
+from pipeline.method.windows import plan_windows, stitch
 
 
 @settings(max_examples=300, deadline=None)

@@ -159,7 +159,7 @@ def test_bench_config_composes_and_quick_sizes_apply():
 
 def test_bench_config_reports_every_problem_at_once():
     from benchmarks.config import bench_config
-    from pipeline.config import ConfigError
+    from pipeline.runtime.config import ConfigError
 
     cfg = _compose_bench(["cases=[alignment,storag]", "alignment.repeats=0", "memory.workloads=[stage1,train2]",
                           "stage1.model.num_heads=5", "teachers.combine=median"])
@@ -206,7 +206,7 @@ def test_vllm_backend_case_is_skipped_with_a_note_without_its_environment(tmp_pa
 
 def test_export_data_case_quick(micro_scored, tiny_student, tmp_path):
     from benchmarks.export_data import ExportDataBenchConfig, run
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     cfg = ExportDataBenchConfig(max_shards=2, seq_len=32, rows_per_shard=32, repeats=1, warmup=0)
     result = run(cfg, tmp_path, tiny_student, load_tokenizer(str(tiny_student)), micro_scored)

@@ -37,7 +37,7 @@ from tokenizers import (
     trainers,
 )
 
-from pipeline.cpu_threads import torch_threads, usable_cores
+from pipeline.runtime.cpu_threads import torch_threads, usable_cores
 from pipeline.embedded.model_shape import ModelShape
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from pathlib import Path
 import matplotlib
 import matplotlib.pyplot as plt
 
-from pipeline.config import ConfigError, MissingPathError
+from pipeline.runtime.config import ConfigError, MissingPathError
 from storage_schemas import iter_identity_differences, write_json_atomic
 
 NOTE_KEYS = ("backend", "device", "dtype", "batch_size")

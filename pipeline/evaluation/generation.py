@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 
-from pipeline.config import ConfigError, check_at_least, check_choice
+from pipeline.runtime.config import ConfigError, check_at_least, check_choice
 from pipeline.evaluation.tasks import cut_at_stop
-from pipeline.model_source import resolve_device
+from pipeline.folders.model_source import resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.bits_per_byte import (  # noqa: F401  (HeldOutTextError: what reading a text file raises)
+from pipeline.method.bits_per_byte import (  # noqa: F401  (HeldOutTextError: what reading a text file raises)
     TEXT_SUFFIXES,
     HeldOutTextError,
     shard_documents,
     text_file_documents,
 )
-from pipeline.config import check_at_least
+from pipeline.runtime.config import check_at_least
 from storage_schemas import ContractError
 from storage_schemas.reader import ScoredDataset
 

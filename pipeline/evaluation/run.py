@@ -4,7 +4,7 @@
 Steps: read every task's records and exemplars and the held-out documents (any bad input fails
 before a model loads), load the model once, per task build the prompts, generate, cut at the stop
 sequence, extract and score; measure bits per byte on the held-out documents
-(:mod:`pipeline.bits_per_byte`); then write the results. ``eval.json`` records what makes
+(:mod:`pipeline.method.bits_per_byte`); then write the results. ``eval.json`` records what makes
 two evaluations comparable (per task: the data file's sha256, the number of problems, the shot
 count, the exemplars' sha256, the prompt template, ``max_new_tokens``; for bits per byte: the
 held-out text's digest, documents and bytes) and the checkpoint's identity (sha256 of its config
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.bits_per_byte import summarize, text_losses
-from pipeline.config import ConfigError, MissingPathError, UserError, check_at_least, check_choice
+from pipeline.method.bits_per_byte import summarize, text_losses
+from pipeline.runtime.config import ConfigError, MissingPathError, UserError, check_at_least, check_choice
 from pipeline.evaluation.generation import (
     GenerationConfig,
     GenerationSettings,
@@ -44,7 +44,7 @@ from pipeline.evaluation.tasks import (
     score,
     sha256_text,
 )
-from pipeline.provenance import WEIGHT_SUFFIXES, code_version, digest_files
+from pipeline.folders.provenance import WEIGHT_SUFFIXES, code_version, digest_files
 from storage_schemas import file_sha256, iter_identity_differences, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def refuse_other_result(out: Path, request: dict, overwrite: bool) -> None:
 def measure_held_out(held: HeldOutText, texts: list[str], sources: list[dict], loaded: LoadedModel,
                      progress: bool) -> dict:
     """Bits per byte of ``loaded`` on the held-out ``texts``: the statistics of
-    :func:`pipeline.bits_per_byte.summarize`, the settings, the sources and what must
+    :func:`pipeline.method.bits_per_byte.summarize`, the settings, the sources and what must
     match for two results to be compared (the text's digest, documents and bytes)."""
     t0 = time.perf_counter()
     context = getattr(loaded.model.config, "max_position_embeddings", None)

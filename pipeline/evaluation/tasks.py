@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.config import ConfigError, MissingPathError, UserError
+from pipeline.runtime.config import ConfigError, MissingPathError, UserError
 from pipeline.evaluation import answers as A
 
 LETTERS = "ABCDE"

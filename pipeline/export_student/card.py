@@ -3,12 +3,12 @@
 Its front matter names the Parquet shards the manifest lists in ``configs`` (never a glob: the
 folder also holds Megatron and litdata files), with a digest of their content that keeps
 ``datasets``' cache from serving rows of an earlier export there
-(:func:`pipeline.dataset_card.data_files_configs`), so ``datasets.load_dataset(<folder>)`` reads
+(:func:`pipeline.folders.dataset_card.data_files_configs`), so ``datasets.load_dataset(<folder>)`` reads
 exactly them, as they are now; and the corpus's terms where the scored folders record them. Its
 body says what made the export (the scored folders and their identities, the student tokenizer,
 the alignment and packing settings), how much there is, the teacher-loss statistics of
 the student tokens (mean, min and max exact from the markers; quantiles from a histogram of the
-shards' ``teacher_loss`` column, :mod:`pipeline.loss_histogram`, read a batch at a time and from
+shards' ``teacher_loss`` column, :mod:`pipeline.method.loss_histogram`, read a batch at a time and from
 evenly spaced shards above :data:`STATS_TOKEN_BUDGET` tokens), the files of each format and the schema.
 """
 
@@ -25,10 +25,10 @@ from huggingface_hub import DatasetCardData
 
 from pipeline.export_student import rows as rows_module
 from pipeline.export_student.formats import LITDATA_INDEX, megatron_prefix
-from pipeline.dataset_card import STATS_TOKEN_BUDGET, data_files_configs, stats_sample
-from pipeline.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram
-from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
-from pipeline.rehearsal import is_rehearsal
+from pipeline.folders.dataset_card import STATS_TOKEN_BUDGET, data_files_configs, stats_sample
+from pipeline.method.loss_histogram import DEFAULT_BIN_WIDTH, LossHistogram
+from pipeline.folders.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.folders.rehearsal import is_rehearsal
 from storage_schemas import CARD_NAME, MANIFEST_NAME
 from storage_schemas import filesystem as sfs
 
@@ -37,7 +37,7 @@ TAGS = ["teacher-losses", "token-level", "knowledge-distillation", "vocagno", "s
 
 
 def loss_histogram(folder, entries: Sequence[Mapping], token_budget: int = STATS_TOKEN_BUDGET) -> tuple[LossHistogram, int]:
-    """The finite teacher losses of the shards ``entries`` lists, counted in :mod:`pipeline.loss_histogram`'s
+    """The finite teacher losses of the shards ``entries`` lists, counted in :mod:`pipeline.method.loss_histogram`'s
     bins, a record batch at a time; above ``token_budget`` tokens only evenly spaced shards are read.
     Returns the histogram and the number of shards read."""
     chosen = stats_sample(entries, token_budget)
@@ -62,7 +62,7 @@ def loss_histogram(folder, entries: Sequence[Mapping], token_budget: int = STATS
 
 def front_matter(manifest: Mapping) -> dict:
     """The hub's metadata: ``configs`` naming the Parquet shards, and the corpus's terms where
-    the scored folders' manifests know them (:func:`pipeline.dataset_card.corpus_terms`)."""
+    the scored folders' manifests know them (:func:`pipeline.folders.dataset_card.corpus_terms`)."""
     rows = int((manifest.get("totals") or {}).get("rows", 0))
     terms = manifest.get("terms") or {}
     data = DatasetCardData(
@@ -94,7 +94,7 @@ def _title(manifest: Mapping) -> str:
     text = (f"# {title_of(manifest)}\n\n"
             "Student token ids beside the teacher's loss of every student token (NaN where no teacher token "
             "overlaps it), aligned by character offsets: the data of vocabulary-agnostic teacher-guided "
-            "language modelling, for any trainer. Train with the guided loss (`pipeline.guided_loss.guided_loss`, "
+            "language modelling, for any trainer. Train with the guided loss (`pipeline.method.guided_loss.guided_loss`, "
             "recipes in vocagno's docs/export.md). Written by `make export-student`; `manifest.json` beside "
             "this card is the authoritative record (identity, shard files, checksums).")
     teachers = (manifest.get("identity") or {}).get("teachers") or []

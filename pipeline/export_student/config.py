@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
-from pipeline.config import build, check_at_least, check_choice, defaults, lift_progress, raise_if
-from pipeline.model_source import local_model_problem, looks_local
-from pipeline.several_teachers import MISSING_RULES
-from pipeline.student_side import AlignmentConfig, scored_folder_problems
+from pipeline.runtime.config import build, check_at_least, check_choice, defaults, lift_progress, raise_if
+from pipeline.folders.model_source import local_model_problem, looks_local
+from pipeline.student_data.several_teachers import MISSING_RULES
+from pipeline.student_data.student_side import AlignmentConfig, scored_folder_problems
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
@@ -138,7 +138,7 @@ def config_defaults() -> dict:
 
 def export_job_config(values: Mapping, check_files: bool = False) -> ExportJobConfig:
     """The typed job from a composed config (plain mapping), every problem in one
-    :class:`pipeline.config.ConfigError`: unknown keys, wrong types, bad choices, a native format
+    :class:`pipeline.runtime.config.ConfigError`: unknown keys, wrong types, bad choices, a native format
     whose package is not installed; with ``check_files`` also scored folders and a local student
     that do not exist (unless the student is the embedded one, built later). Local paths become absolute."""
     problems: list[str] = []

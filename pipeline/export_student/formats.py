@@ -41,7 +41,7 @@ MEGATRON_ARRAYS = {"input_ids": np.int32, "teacher_loss": np.float32}  # prefix 
 
 def shard_parts(formats: Sequence[str], table: pa.Table, rows: Sequence[Row], compression: str,
                 record: dict) -> dict:
-    """The writers of one shard's files, keyed by suffix (:func:`pipeline.shard_folder.write_shard_files`),
+    """The writers of one shard's files, keyed by suffix (:func:`pipeline.folders.shard_folder.write_shard_files`),
     the Parquet file first. A writer that learns something the export needs later (litdata's chunk
     description) adds it to ``record``."""
     parts: dict = {".parquet": lambda path: pq.write_table(

@@ -2,13 +2,13 @@
 
 1. Load the student's tokenizer (a fast one: offsets are the alignment) and check ``seq_len``
    against the student's positions; open and validate the scored folders, one group per teacher.
-2. Count the student tokens and plan the stream (:func:`pipeline.student_side.build_student_data`,
+2. Count the student tokens and plan the stream (:func:`pipeline.student_data.student_side.build_student_data`,
    the length cache shared with stage 2): the rows, and so every shard, are a function of the
    inputs and the settings. The identity (:func:`export_identity`) says which.
 3. Take the output folder (its lock; refuse another kind of folder, or another identity), then
    write each shard not yet marked done: its rows read, tokenized, aligned and combined a batch at
    a time (:class:`pipeline.export_student.rows.RowSource`), its files in every format written
-   whole, then its marker (:mod:`pipeline.shard_folder`). The manifest follows the markers.
+   whole, then its marker (:mod:`pipeline.folders.shard_folder`). The manifest follows the markers.
 4. When every shard is done: litdata's index, the manifest (complete) and the card.
 
 Everything that can fail on bad input fails before the output folder is touched.
@@ -25,21 +25,21 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from pipeline.config import UserError
-from pipeline.dataset_card import manifest_terms, shared_terms
+from pipeline.runtime.config import UserError
+from pipeline.folders.dataset_card import manifest_terms, shared_terms
 from pipeline.export_student.card import write_card
 from pipeline.export_student.config import ExportJobConfig
 from pipeline.export_student.formats import LITDATA_INDEX, LITDATA_SUFFIX, shard_parts, write_litdata_index
 from pipeline.export_student.rows import Row, RowSource, row_schema, rows_table
-from pipeline.export_folder import EXPORT_VERSION, EXPORT_VERSION_KEY
-from pipeline.folder_lock import exclusive_writer
-from pipeline.held_out_shards import held_out_record, hold_out
-from pipeline.model_source import model_positions, refuse_seq_len
-from pipeline.output_folder import has_aside, overlap_problem
-from pipeline.provenance import code_version
-from pipeline.rehearsal import refuse_rehearsal, warn_rehearsal
-from pipeline.several_teachers import open_teachers, teacher_names
-from pipeline.shard_folder import (
+from pipeline.folders.export_folder import EXPORT_VERSION, EXPORT_VERSION_KEY
+from pipeline.folders.folder_lock import exclusive_writer
+from pipeline.student_data.held_out_shards import held_out_record, hold_out
+from pipeline.folders.model_source import model_positions, refuse_seq_len
+from pipeline.folders.output_folder import has_aside, overlap_problem
+from pipeline.folders.provenance import code_version
+from pipeline.folders.rehearsal import refuse_rehearsal, warn_rehearsal
+from pipeline.student_data.several_teachers import open_teachers, teacher_names
+from pipeline.folders.shard_folder import (
     DatasetMismatchError,
     FolderKind,
     ShardProgress,
@@ -51,8 +51,8 @@ from pipeline.shard_folder import (
     write_marker,
     write_shard_files,
 )
-from pipeline.student_side import PackingConfig, StudentData, build_student_data, document_tokens, teacher_identity
-from pipeline.tokenization import fingerprint, load_tokenizer, require_fast
+from pipeline.student_data.student_side import PackingConfig, StudentData, build_student_data, document_tokens, teacher_identity
+from pipeline.method.tokenization import fingerprint, load_tokenizer, require_fast
 from storage_schemas import CARD_NAME, MANIFEST_NAME, ContractError, write_json_atomic
 from storage_schemas import filesystem as sfs
 from storage_schemas import store_calls
@@ -77,7 +77,7 @@ class ExportSummary:
     shards_done_before: int
     shards_written: int
     tokens: int  # stream tokens (BOS/EOS included) in the whole export's rows: the manifest's totals.tokens
-    student_tokens: int  # the documents' own, one pass (pipeline.student_side.document_tokens), as stage 2 reports
+    student_tokens: int  # the documents' own, one pass (pipeline.student_data.student_side.document_tokens), as stage 2 reports
     tokens_this_run: int
     mapped_fraction: float
     bytes: dict[str, int]  # per format, whole export

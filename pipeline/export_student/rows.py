@@ -31,8 +31,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from pipeline.export_folder import teacher_loss_column
-from pipeline.student_side import PackedDataset, StudentData
+from pipeline.folders.export_folder import teacher_loss_column
+from pipeline.student_data.student_side import PackedDataset, StudentData
 from storage_schemas.reader import ShardInfo, read_row_group
 from storage_schemas.rows import list_array
 

@@ -1,26 +1,26 @@
 """How a student tokenizer lines up with a scored dataset's teacher tokens, before any training.
 
 Every document (or the first ``limit_docs``) is tokenized with the student's fast tokenizer and
-aligned with :mod:`pipeline.alignment`, exactly as training will do it. Reported:
+aligned with :mod:`pipeline.method.alignment`, exactly as training will do it. Reported:
 
 * mapped share: student tokens whose ``A(i)`` holds at least one finite teacher loss
-  (:func:`pipeline.alignment.align_document`), over all student tokens;
+  (:func:`pipeline.method.alignment.align_document`), over all student tokens;
 * IoS per student token (share of its characters covered by its mapped teacher tokens, from
-  :func:`pipeline.alignment.alignment_quality`) and IoU per student token,
+  :func:`pipeline.method.alignment.alignment_quality`) and IoU per student token,
   ``|chars(i) ∩ chars(A(i))| / |chars(i) ∪ chars(A(i))|``, averaged over mapped tokens; also the
   document-level IoU of docs/METHOD.md §2.1 (character sets of all mapped student tokens and their
   teacher tokens);
 * teacher tokens per student token ``|A(i)|`` (and student tokens per teacher token), as counts
   of 0, 1, ..., 7 and 8 or more;
 * the same IoS / IoU / mapped share for chunk-level alignment at several chunk counts C
-  (:func:`pipeline.alignment.chunk_align`: the text cut into C equal character ranges, each token in
+  (:func:`pipeline.method.alignment.chunk_align`: the text cut into C equal character ranges, each token in
   the chunk holding its start, every student token mapped to the teacher tokens with a finite
   loss of its chunk). This is the paper's comparison: chunks cover their student tokens loosely
   (low IoU) when few, and cut through them (IoS below 1) when many.
 
 Optionally the aligned student tokens are written as Parquet, one row per document and one file
 per source shard: ``<out>/aligned/<student>/shard-NNNNNN.parquet`` (:data:`ALIGNED_SCHEMA`).
-``teacher_lo``/``teacher_hi`` is the teacher range ``[lo, hi)`` of :func:`pipeline.alignment.align_spans`
+``teacher_lo``/``teacher_hi`` is the teacher range ``[lo, hi)`` of :func:`pipeline.method.alignment.align_spans`
 (exactly ``A(i)`` for the project's tokenizers, whose teacher ends never decrease);
 ``teacher_loss`` is ``agg{l_t(j) : j in A(i)}`` (NaN if unmapped).
 """
@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from pipeline.alignment import (
+from pipeline.method.alignment import (
     align_document,
     align_spans,
     alignment_quality,
@@ -47,7 +47,7 @@ from pipeline.alignment import (
     chunk_ids,
     overlap_pairs,
 )
-from pipeline.tokenization import Encoding, encode_batch, fingerprint
+from pipeline.method.tokenization import Encoding, encode_batch, fingerprint
 from storage_schemas.reader import DocumentRecord, ScoredDataset
 from storage_schemas.rows import list_array
 

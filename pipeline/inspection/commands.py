@@ -21,7 +21,7 @@ Commands (``command=``):
 * ``plots``, ``path=<dataset> [student=S]``: PNG loss histogram; with a student also the mapped
   share, teacher tokens per student token and chunk-level IoU/IoS against the chunk count.
 * ``card``, ``path=<dataset>``: (re)writes the dataset card ``README.md`` in the dataset folder
-  itself (:mod:`pipeline.dataset_card`; stage 1 writes it at the end of every run).
+  itself (:mod:`pipeline.folders.dataset_card`; stage 1 writes it at the end of every run).
 * ``two-teachers``, ``path=<dataset> other=<dataset> student=S``: the same corpus scored by two
   teachers, aligned to one student: correlation of the aligned losses and the share of tokens where
   the teachers' top-``two_teachers.ratio`` selections disagree (:mod:`pipeline.inspection.two_teachers`).
@@ -48,9 +48,9 @@ from typing import Callable, Mapping
 from rich.console import Console
 from rich.markup import escape
 
-from pipeline.alignment import AGGREGATIONS
-from pipeline.config import build, check_at_least, check_choice, raise_if
-from pipeline.dataset_card import write_card
+from pipeline.method.alignment import AGGREGATIONS
+from pipeline.runtime.config import build, check_at_least, check_choice, raise_if
+from pipeline.folders.dataset_card import write_card
 from pipeline.inspection import plots, terminal
 from pipeline.inspection.align_report import align_record, align_report
 from pipeline.inspection.html import StudentView, document_section, page
@@ -60,10 +60,10 @@ from pipeline.inspection.summary import DEFAULT_QUANTILES, summarize
 from pipeline.inspection.two_teachers import renderables, two_teachers
 from pipeline.inspection.validate import validate_dataset
 from pipeline.inspection.vocab_overlap import load_vocabulary, vocab_overlap
-from pipeline.loss_histogram import DEFAULT_BIN_WIDTH
-from pipeline.model_source import check_tokenizer_source
-from pipeline.output_folder import overlap_problem
-from pipeline.tokenization import encode, load_tokenizer
+from pipeline.method.loss_histogram import DEFAULT_BIN_WIDTH
+from pipeline.folders.model_source import check_tokenizer_source
+from pipeline.folders.output_folder import overlap_problem
+from pipeline.method.tokenization import encode, load_tokenizer
 from storage_schemas import ContractError, filesystem, read_manifest, strict_json
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset, teacher_tokenizer_location

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.inspection.pieces import PALETTE, LossScale, cut_pieces
-from pipeline.tokenization import Encoding
+from pipeline.method.tokenization import Encoding
 from storage_schemas.reader import DocumentRecord
 
 CSS = """

@@ -14,7 +14,7 @@ are compared per token:
 
 Tokens whose **context differs** (the two folders planned their windows differently: another
 window, stride or BOS, so the token was predicted from another left context,
-:mod:`pipeline.windows`) are counted apart, in their own statistics: a difference there is the
+:mod:`pipeline.method.windows`) are counted apart, in their own statistics: a difference there is the
 window plan's, not the engine's. A token with a NaN loss in one folder and not the other is
 counted as a mismatch of its own.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.windows import plan_windows
+from pipeline.method.windows import plan_windows
 from storage_schemas.reader import ScoredDataset
 
 # |difference| histogram: log-spaced bins from 1e-9 to 1e3 nats (p99 within one bin, 1%).

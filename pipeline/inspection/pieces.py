@@ -6,7 +6,7 @@ histogram), so a colour means the same thing in every document; NaN (no predicti
 Pieces: teacher spans may overlap (a character split across byte-level tokens gives ``(3,5),
 (4,5)``) and student spans cut the text elsewhere, so a text is cut at every boundary of every
 tokenization into pieces that each show once; a piece's loss is the max over the teacher tokens
-covering it (via :func:`pipeline.alignment.align_document`, the pieces standing in for a student).
+covering it (via :func:`pipeline.method.alignment.align_document`, the pieces standing in for a student).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.alignment import align_document, overlap_pairs
-from pipeline.tokenization import Encoding
+from pipeline.method.alignment import align_document, overlap_pairs
+from pipeline.method.tokenization import Encoding
 
 # Low loss (easy for the teacher) pale, high loss dark red: matplotlib's YlOrRd in ten steps.
 PALETTE = ("#ffffcc", "#ffeda0", "#fed976", "#feb24c", "#fd8d3c", "#fc4e2a", "#e31a1c", "#bd0026", "#980026", "#800026")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import polars as pl
 
-from pipeline.loss_histogram import (
+from pipeline.method.loss_histogram import (
     DEFAULT_BIN_WIDTH,
     LossHistogram,
     loss_histogram_query,

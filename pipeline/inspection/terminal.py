@@ -13,8 +13,8 @@ from pipeline.inspection.pieces import LossScale, cut_pieces
 from pipeline.inspection.summary import DatasetSummary
 from pipeline.inspection.validate import ValidationReport
 from pipeline.inspection.vocab_overlap import VocabOverlap
-from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
-from pipeline.rehearsal import is_rehearsal
+from pipeline.folders.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.folders.rehearsal import is_rehearsal
 from storage_schemas import describe_teacher
 from storage_schemas.reader import DocumentRecord
 

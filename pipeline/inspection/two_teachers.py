@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from rich.table import Table
 
-from pipeline.alignment import align_documents
-from pipeline.tokenization import encode_batch
+from pipeline.method.alignment import align_documents
+from pipeline.method.tokenization import encode_batch
 from storage_schemas.reader import ScoredDataset
 
 BATCH = 256  # documents tokenized and aligned per call

@@ -29,7 +29,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from pipeline.tokenization import load_tokenizer
+from pipeline.method.tokenization import load_tokenizer
 
 BYTE_LEVEL = "byte_level"
 SENTENCEPIECE = "sentencepiece"

@@ -49,8 +49,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from huggingface_hub import HfApi, HfFileSystem
 
-from pipeline.config import UserError, check_at_least, check_choice
-from pipeline.provenance import digest_cache_dir, file_sha256_cached
+from pipeline.runtime.config import UserError, check_at_least, check_choice
+from pipeline.folders.provenance import digest_cache_dir, file_sha256_cached
 from storage_schemas import filesystem, write_json_atomic
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ Each actor writes its shard and marker itself, so a shard is complete on disk be
 hears of it.
 
 The dataset's identity (what the teacher, tokenizer, windows and corpus *are*: digests and hub ids,
-:mod:`pipeline.provenance`) is compared on every rerun; where they were found is written to the
+:mod:`pipeline.folders.provenance`) is compared on every rerun; where they were found is written to the
 manifest's ``location`` and never compared, so a moved or copied project resumes where it stopped.
 """
 
@@ -27,7 +27,7 @@ from typing import Mapping
 from tqdm.auto import tqdm
 
 import pipeline
-from pipeline.config import (
+from pipeline.runtime.config import (
     ConfigError,
     MissingPathError,
     build,
@@ -35,15 +35,15 @@ from pipeline.config import (
     defaults,
     raise_if,
 )
-from pipeline.cpu_threads import threads_for
-from pipeline.dataset_card import card_is_current, write_card_or_warn
-from pipeline.folder_lock import exclusive_writer
-from pipeline.model_source import looks_local, nearby_text
-from pipeline.output_folder import has_aside, overlap_problem
-from pipeline.provenance import code_version, is_local_model, model_identity
-from pipeline.quiet import quiet_third_party
-from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
-from pipeline.rehearsal import REHEARSAL_BACKEND, is_rehearsal
+from pipeline.runtime.cpu_threads import threads_for
+from pipeline.folders.dataset_card import card_is_current, write_card_or_warn
+from pipeline.folders.folder_lock import exclusive_writer
+from pipeline.folders.model_source import looks_local, nearby_text
+from pipeline.folders.output_folder import has_aside, overlap_problem
+from pipeline.folders.provenance import code_version, is_local_model, model_identity
+from pipeline.runtime.quiet import quiet_third_party
+from pipeline.folders.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.folders.rehearsal import REHEARSAL_BACKEND, is_rehearsal
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
 from pipeline.score_teacher.backends.rehearsal import rehearsal_identity
@@ -84,8 +84,8 @@ from pipeline.score_teacher.writer import (
     write_manifest,
     write_shard,
 )
-from pipeline.shard_folder import ShardProgress
-from pipeline.tokenization import bos_token_id, fingerprint, load_tokenizer
+from pipeline.folders.shard_folder import ShardProgress
+from pipeline.method.tokenization import bos_token_id, fingerprint, load_tokenizer
 from storage_schemas import IDENTITY_FORMAT, MANIFEST_NAME, SKIP_REASONS
 from storage_schemas import filesystem as sfs
 from storage_schemas import store_calls
@@ -180,7 +180,7 @@ def config_defaults() -> dict:
 
 def score_job_config(values: Mapping) -> ScoreJobConfig:
     """The typed job from a composed config (plain mapping). Every problem is reported in one
-    :class:`pipeline.config.ConfigError`: unknown keys, wrong types and bad choices in every group,
+    :class:`pipeline.runtime.config.ConfigError`: unknown keys, wrong types and bad choices in every group,
     and the files the config names that do not exist (a local teacher or tokenizer, a corpus
     path or glob), unless they are the embedded ones, built later. Local paths become absolute."""
     problems: list[str] = []
@@ -256,7 +256,7 @@ class JobSummary:
     failed: list[dict] = field(default_factory=list)  # shards given up in this run (pool.on_bad_shard=skip)
     actors: list[dict] = field(default_factory=list)  # where the scorer actors ran (ShardScorer.describe)
     store_calls: dict = field(default_factory=dict)  # object-store requests and the client's retries, all processes
-    rehearsal: bool = False  # scored by the rehearsal teacher (pipeline.rehearsal): no model's losses
+    rehearsal: bool = False  # scored by the rehearsal teacher (pipeline.folders.rehearsal): no model's losses
 
     @property
     def tokens_per_s(self) -> float:
@@ -286,7 +286,7 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
         revision=cfg.teacher.revision,
         trust_remote_code=cfg.teacher.trust_remote_code,
     )
-    rehearsal = cfg.scorer.backend == REHEARSAL_BACKEND  # no model: its tokenizer and a hash (pipeline.rehearsal)
+    rehearsal = cfg.scorer.backend == REHEARSAL_BACKEND  # no model: its tokenizer and a hash (pipeline.folders.rehearsal)
     window = plan_window(cfg.teacher, cfg.scorer.backend, None if rehearsal else _context_length(cfg.teacher))
     served = _check_served(cfg, tokenizer) if cfg.scorer.backend == "server" else None
     if served is not None:

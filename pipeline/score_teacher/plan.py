@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.cpu_threads import threads_for, torch_threads
+from pipeline.runtime.cpu_threads import threads_for, torch_threads
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
 from pipeline.score_teacher.backends.rehearsal import RehearsalScorer
@@ -57,9 +57,9 @@ from pipeline.score_teacher.job import Prepared, _refuse_early, prepare
 from pipeline.score_teacher.pool import actors_per_node
 from pipeline.score_teacher.teacher import ShardResult, WindowSettings, score_documents
 from pipeline.score_teacher.writer import SCORED, finished_shards, write_shard
-from pipeline.shard_folder import folder_problem
-from pipeline.tokenization import load_tokenizer
-from pipeline.windows import plan_windows
+from pipeline.folders.shard_folder import folder_problem
+from pipeline.method.tokenization import load_tokenizer
+from pipeline.method.windows import plan_windows
 from storage_schemas import filesystem as sfs
 
 COUNT_BYTES = 64 * 2**20  # text up to this size is counted whole

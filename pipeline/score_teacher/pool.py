@@ -27,8 +27,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import pipeline
 import storage_schemas
-from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
-from pipeline.output_folder import storage_error
+from pipeline.runtime.config import ConfigError, UserError, check_at_least, check_choice, refuse
+from pipeline.folders.output_folder import storage_error
 from pipeline.score_teacher.faults import FAULTS_ENV
 from storage_schemas import filesystem as sfs
 

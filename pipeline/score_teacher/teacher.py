@@ -17,8 +17,8 @@ import numpy as np
 
 from pipeline.score_teacher.backends.base import WindowScorer
 from pipeline.score_teacher.corpus import Document
-from pipeline.tokenization import Encoding, encode_batch
-from pipeline.windows import plan_windows, stitch
+from pipeline.method.tokenization import Encoding, encode_batch
+from pipeline.method.windows import plan_windows, stitch
 from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas.reader import ScoredDocument  # stage 1 builds the contract's rows
 

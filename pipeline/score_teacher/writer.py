@@ -1,7 +1,7 @@
 """Writing scored shards and keeping the dataset folder consistent across crashes and reruns.
 
 The exactly-once machinery (atomic shard files, markers, attempts on object stores, refusing a
-folder of another identity) is shared with the export: :mod:`pipeline.shard_folder`. Here:
+folder of another identity) is shared with the export: :mod:`pipeline.folders.shard_folder`. Here:
 
 * a shard is one Parquet file ``shard-NNNNNN.parquet`` (on an object store
   ``shard-NNNNNN.<attempt>.parquet``) with its marker ``shard-NNNNNN.done.json``;
@@ -9,7 +9,7 @@ folder of another identity) is shared with the export: :mod:`pipeline.shard_fold
   done) and rewritten from the markers as shards finish; readers use the shards it lists;
 * a folder scored with another identity (teacher, tokenizer, window, corpus, plan) is refused with
   the list of differences, unless ``overwrite`` is set, which sets its shards aside and deletes them
-  once the new scoring has finished its first shard (:mod:`pipeline.output_folder`). The identity
+  once the new scoring has finished its first shard (:mod:`pipeline.folders.output_folder`). The identity
   holds no paths (:mod:`storage_schemas.identity`), so a moved or copied folder is the same dataset.
 """
 
@@ -24,10 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import check_choice, refuse
-from pipeline.output_folder import SetAside
+from pipeline.runtime.config import check_choice, refuse
+from pipeline.folders.output_folder import SetAside
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
-from pipeline.shard_folder import (  # noqa: F401  (DatasetMismatchError, finished_shards, remove_unreferenced: stage 1's API)
+from pipeline.folders.shard_folder import (  # noqa: F401  (DatasetMismatchError, finished_shards, remove_unreferenced: stage 1's API)
     DatasetMismatchError,
     FolderKind,
     finished_shards,
@@ -37,7 +37,7 @@ from pipeline.shard_folder import (  # noqa: F401  (DatasetMismatchError, finish
     write_marker,
     write_shard_files,
 )
-from pipeline.shard_folder import refuse_mismatch as refuse_kind_mismatch
+from pipeline.folders.shard_folder import refuse_mismatch as refuse_kind_mismatch
 from storage_schemas import MANIFEST_NAME, ROW_SCHEMA, SCHEMA_VERSION, schema_with_metadata, write_json_atomic
 from storage_schemas import filesystem as sfs
 from storage_schemas.rows import list_array
@@ -188,7 +188,7 @@ def prepare_output(
     set aside (commit it once a shard is finished; None: nothing).
 
     Refuses (``DatasetMismatchError``) a folder scored with another identity or holding shards
-    without a manifest, unless ``overwrite`` (:func:`pipeline.shard_folder.prepare_folder`).
+    without a manifest, unless ``overwrite`` (:func:`pipeline.folders.shard_folder.prepare_folder`).
     """
     extra: dict = {"location": location, "license": license, **({"rehearsal": rehearsal} if rehearsal else {})}
     done, aside = prepare_folder(folder, identity, overwrite, SCORED, hint=corpus_hint(folder, identity))
@@ -249,7 +249,7 @@ def write_manifest(
     and corpus were found) is for people and never compared; ``failed`` lists the shards the
     run gave up on (index, error, attempts), which have no marker and are scored by the next run;
     ``license`` is the corpus's as its user gave it (``data.license``), for the card, not compared;
-    ``rehearsal`` says the losses are a rehearsal's (:mod:`pipeline.rehearsal`)."""
+    ``rehearsal`` says the losses are a rehearsal's (:mod:`pipeline.folders.rehearsal`)."""
     shards = [done[i] for i in sorted(done)]
     reasons: dict[str, int] = {}
     for entry in shards:

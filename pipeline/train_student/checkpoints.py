@@ -11,7 +11,7 @@ A checkpoint without its completion marker was being written when the process di
 resumed from and is deleted when the folder is prepared. A resume is refused when the recipe or
 the data identity differs from the checkpoint's, so a resumed run sees exactly the batches the
 interrupted one would have seen. Both are compared by content, not location: the student by its
-digests or hub id (:func:`pipeline.provenance.model_identity`), the scored data by identity and shard
+digests or hub id (:func:`pipeline.folders.provenance.model_identity`), the scored data by identity and shard
 sha256 (:func:`storage_schemas.reader.data_identity_differences`), so a moved project resumes.
 """
 
@@ -23,8 +23,8 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.config import MissingPathError, UserError, override
-from pipeline.output_folder import SetAside, recover, set_aside
+from pipeline.runtime.config import MissingPathError, UserError, override
+from pipeline.folders.output_folder import SetAside, recover, set_aside
 from storage_schemas import iter_identity_differences, write_json_atomic
 from storage_schemas.reader import data_identity_differences
 
@@ -223,7 +223,7 @@ def _without_student_paths(recipe: dict) -> dict:
 
 def recover_run_folder(output_dir: str) -> None:
     """Put back a run that an ``overwrite=true`` killed before its first checkpoint had set aside
-    (:func:`pipeline.output_folder.recover`; main process only, holding the folder's lock)."""
+    (:func:`pipeline.folders.output_folder.recover`; main process only, holding the folder's lock)."""
     recover(output_dir, is_run_entry)
 
 

@@ -24,7 +24,7 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline.config import MissingPathError
+from pipeline.runtime.config import MissingPathError
 from pipeline.train_student.checkpoints import (
     METRICS_NAME,
     RUN_NAME,

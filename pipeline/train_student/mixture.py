@@ -2,7 +2,7 @@
 (``data.mixture``; docs/configuration.md, "Data mixtures").
 
 Each corpus is a stream of its own: its scored folders (one teacher or several) packed and aligned
-as a single-corpus run would pack them (:func:`pipeline.student_side.build_student_data`, its own
+as a single-corpus run would pack them (:func:`pipeline.student_data.student_side.build_student_data`, its own
 shuffled order and passes), or an export's rows (:mod:`pipeline.train_student.from_export`). The
 mixture only decides, for each of its samples ``k``, which corpus gives it and which of that
 corpus's samples it is. The rule (:class:`MixtureOrder`) is a pure function of the weights, the
@@ -41,7 +41,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.config import ConfigError, check_at_least
+from pipeline.runtime.config import ConfigError, check_at_least
 
 BLOCK = 64  # samples per block of the mixture's order (module docstring, step 2)
 TAG = 0x6D6978  # "mix": keeps the block permutations apart from every other use of the seed
@@ -262,7 +262,7 @@ class MixtureDataset(torch.utils.data.Dataset):
 
 @dataclass
 class CorpusData:
-    """One corpus of the mixture, its data built (:class:`pipeline.student_side.StudentData` or
+    """One corpus of the mixture, its data built (:class:`pipeline.student_data.student_side.StudentData` or
     :class:`pipeline.train_student.from_export.ExportData`)."""
 
     name: str
@@ -294,7 +294,7 @@ def check_same_teachers(corpora: Sequence[CorpusData]) -> None:
 
 @dataclass
 class MixtureData:
-    """The mixture as the run uses it: what :class:`pipeline.student_side.StudentData` gives a
+    """The mixture as the run uses it: what :class:`pipeline.student_data.student_side.StudentData` gives a
     single-corpus run (dataset, plan, identity, summary), for the whole mixture."""
 
     dataset: MixtureDataset

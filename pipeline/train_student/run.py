@@ -36,8 +36,8 @@ from typing import Mapping
 import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 
-from pipeline.bits_per_byte import TEXT_SUFFIXES, shard_documents, text_file_documents
-from pipeline.config import (
+from pipeline.method.bits_per_byte import TEXT_SUFFIXES, shard_documents, text_file_documents
+from pipeline.runtime.config import (
     ConfigError,
     Interrupted,
     build,
@@ -47,21 +47,21 @@ from pipeline.config import (
     lift_progress,
     raise_if,
 )
-from pipeline.cpu_threads import threads_for, torch_threads
-from pipeline.folder_lock import exclusive_writer
-from pipeline.held_out_shards import held_out_entries, held_out_record, hold_out
-from pipeline.guided_loss import SelectionConfig
-from pipeline.model_source import (
+from pipeline.runtime.cpu_threads import threads_for, torch_threads
+from pipeline.folders.folder_lock import exclusive_writer
+from pipeline.student_data.held_out_shards import held_out_entries, held_out_record, hold_out
+from pipeline.method.guided_loss import SelectionConfig
+from pipeline.folders.model_source import (
     TeacherSourceError,
     check_tokenizer_source,
     local_model_problem,
     model_positions,
     refuse_seq_len,
 )
-from pipeline.provenance import model_identity
-from pipeline.rehearsal import refuse_rehearsal, warn_rehearsal
-from pipeline.several_teachers import MISSING_RULES, open_teachers
-from pipeline.student_side import (
+from pipeline.folders.provenance import model_identity
+from pipeline.folders.rehearsal import refuse_rehearsal, warn_rehearsal
+from pipeline.student_data.several_teachers import MISSING_RULES, open_teachers
+from pipeline.student_data.student_side import (
     AlignmentConfig,
     scored_folder_problems,
     PackingConfig,
@@ -70,8 +70,8 @@ from pipeline.student_side import (
     collate_packed,
     student_per_teacher_token,
 )
-from pipeline.tokenization import fingerprint, load_tokenizer
-from pipeline.output_folder import SetAside, overlap_problem
+from pipeline.method.tokenization import fingerprint, load_tokenizer
+from pipeline.folders.output_folder import SetAside, overlap_problem
 from pipeline.train_student.checkpoints import (  # noqa: F401  (RunMismatchError: the run's refusal)
     METRICS_NAME,
     RunMismatchError,
@@ -325,7 +325,7 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
 def run_folder_problem(job: TrainJobConfig) -> str | None:
     """The run folder may not be, hold or lie inside what the run reads (the student, its
     tokenizer, a scored folder, an export, a mixture's corpora, and with ``overwrite`` the checkpoint ``train.resume`` names),
-    whatever ``overwrite`` says (:func:`pipeline.output_folder.overlap_problem`)."""
+    whatever ``overwrite`` says (:func:`pipeline.folders.output_folder.overlap_problem`)."""
     inputs = {"student.model": job.student.model, "student.tokenizer": job.student.tokenizer,
               **{f"data.folders[{i}]": f for i, f in enumerate(job.data.folders)}}
     if job.data.export:
@@ -364,7 +364,7 @@ def config_defaults() -> dict:
 
 def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConfig:
     """The typed job from a composed config (plain mapping). Every problem is reported in one
-    :class:`pipeline.config.ConfigError`: unknown keys, wrong types, bad choices and ranges in
+    :class:`pipeline.runtime.config.ConfigError`: unknown keys, wrong types, bad choices and ranges in
     every group and the batch geometry for one process (checked again for the real world size);
     with ``check_files``, also scored folders that do not exist and a local student that does not
     (unless it is the embedded one, built later). Local paths become absolute."""
@@ -426,7 +426,7 @@ def file_problems(folders, model, embedded_student: bool = False) -> list[str]:
 
 
 def check_student_source(student: StudentConfig) -> None:
-    """Raise :class:`pipeline.model_source.TeacherSourceError`, one line naming the setting and the
+    """Raise :class:`pipeline.folders.model_source.TeacherSourceError`, one line naming the setting and the
     ways out, within seconds, unless a hub student (and a hub tokenizer of its own) is in the Hugging
     Face cache or on a reachable hub: before any work, as stage 1 checks its teacher. Local paths are
     the configuration checks' (:func:`file_problems`)."""
@@ -587,7 +587,7 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
     trained (the HF Trainer would otherwise train one step past the end). The count of skipped
     non-finite steps continues from the checkpoint's; a run stopped by too many of them in a row
     raises :class:`NonFiniteLossError` (after its checkpoint is saved), one stopped by SIGTERM or
-    SIGUSR1 :class:`pipeline.config.Interrupted` (after its checkpoint at the step under way is
+    SIGUSR1 :class:`pipeline.runtime.config.Interrupted` (after its checkpoint at the step under way is
     saved: :meth:`GuidedTrainer.saving_on_signals`). ``held_out``: the texts of
     the evaluation while training (:func:`held_out_texts`). ``on_checkpoint`` is called once each
     checkpoint is complete. Returns the trainer and the step it started from.
@@ -827,7 +827,7 @@ def load_student(student: StudentConfig, vocab_size: int):
 
 def _cpu_threads(n: int | None):
     """torch's intra-op threads while training: ``train.cpu_threads`` (None: every usable core),
-    never more than this process's share of the usable cores (:mod:`pipeline.cpu_threads`; the
+    never more than this process's share of the usable cores (:mod:`pipeline.runtime.cpu_threads`; the
     processes of a data-parallel run on one node share them). On a shared CPU, threads beyond the
     idle cores make every step many times slower; 1 is often the fastest there."""
     return torch_threads(threads_for(n, sharing=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

@@ -2,7 +2,7 @@
 decided the selected tokens, how much each maps, and how far their own selections agree.
 
 The data side of several teachers (grouping folders, matching documents, combining losses) is
-shared with the export: :mod:`pipeline.several_teachers`.
+shared with the export: :mod:`pipeline.student_data.several_teachers`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from pipeline.guided_loss import select_tokens
+from pipeline.method.guided_loss import select_tokens
 
 
 def decision_credit(losses, combined, how: str, weights: Sequence[float] | None = None):

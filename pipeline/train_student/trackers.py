@@ -26,7 +26,7 @@ from typing import Sequence
 from transformers import TrainerCallback
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
-from pipeline.config import UserError, nearest
+from pipeline.runtime.config import UserError, nearest
 
 ALONE = ("all", "none")  # the Trainer's words for every installed integration, and for none
 INSTALL = {"wandb": "pip install 'vocagno[trackers]'", "mlflow": "pip install 'vocagno[trackers]'"}

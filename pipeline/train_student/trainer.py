@@ -3,8 +3,8 @@ its checkpoint records.
 
 :class:`GuidedTrainer` changes ``transformers.Trainer`` in eight ways:
 
-* ``compute_loss`` hands the student's logits to :func:`pipeline.guided_loss.guided_loss` (the public loss)
-  with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.student_side`),
+* ``compute_loss`` hands the student's logits to :func:`pipeline.method.guided_loss.guided_loss` (the public loss)
+  with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.student_data.student_side`),
   ``teacher_loss`` and ``mapped``. The loss is a per-micro-batch mean, so the top k% is selected
   per micro-batch and per rank, see docs/METHOD.md §2.2. ``random`` mode seeds its draw with
   ``(seed, step, micro-batch, rank)``, so a resumed run draws the same tokens.
@@ -24,7 +24,7 @@ its checkpoint records.
   share of each corpus among the samples drawn since the last log, ``mixture_share_<name>``
   (section "mixtures" below), counted from the ``corpus`` of each sample of the batches.
 * its evaluation (``train.eval_every``, the Trainer's own evaluation steps) is held-out bits per byte
-  (:func:`pipeline.bits_per_byte.text_losses`, the measure of ``make eval-student``) on the texts
+  (:func:`pipeline.method.bits_per_byte.text_losses`, the measure of ``make eval-student``) on the texts
   given as ``eval_dataset``, each process measuring every ``world_size``-th text; it logs
   ``eval_bits_per_byte``, ``eval_nats_per_token`` and ``eval_runtime`` beside the training metrics
   and leaves the model, its mode and the random state as they were.
@@ -36,7 +36,7 @@ its checkpoint records.
 * SIGTERM or SIGUSR1 while it trains (a preemption, ``scancel``, a time limit: Slurm's ``--signal``)
   is noted (:meth:`GuidedTrainer.saving_on_signals`), and the optimizer step under way ends with a
   log and a complete checkpoint at that step, on every rank (the ranks agree in the step's one
-  reduction), then training stops; the run then raises :class:`pipeline.config.Interrupted`. A
+  reduction), then training stops; the run then raises :class:`pipeline.runtime.config.Interrupted`. A
   resumed run goes on from that step exactly. The data-loader workers, which get the same signal
   from a scheduler, leave it to the training process.
 * its last log's ``train_loss`` is the mean loss over all the run's steps, those of the runs it
@@ -71,9 +71,9 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
-from pipeline.bits_per_byte import default_window, text_losses
-from pipeline.config import UserError, handling
-from pipeline.guided_loss import SelectionConfig, guided_loss
+from pipeline.method.bits_per_byte import default_window, text_losses
+from pipeline.runtime.config import UserError, handling
+from pipeline.method.guided_loss import SelectionConfig, guided_loss
 from pipeline.train_student.checkpoints import mark_complete
 from pipeline.train_student.several_teachers import TeacherMetrics
 

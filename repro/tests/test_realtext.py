@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import ConfigError
+from pipeline.runtime.config import ConfigError
 from repro.realtext import RealCorpusConfig, build_real_corpus
 
 

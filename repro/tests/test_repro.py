@@ -474,7 +474,7 @@ def _hand_batches() -> list[dict[str, np.ndarray]]:
 
 @pytest.mark.parametrize("ratio,rank_over", [(0.2, "batch"), (0.4, "batch"), (0.4, "sequence"), (1.0, "batch")])
 def test_selection_diagnosis_against_brute_force(ratio, rank_over):
-    from pipeline.guided_loss import SelectionConfig
+    from pipeline.method.guided_loss import SelectionConfig
     from repro.diagnose import TOP_IDS, select, selection_stats
 
     batches = _hand_batches()
@@ -526,7 +526,7 @@ def test_selection_diagnosis_worked_values():
     """The micro-batch top 20% of the hand batches, by hand: batch 1 has 8 mapped targets (k = 2):
     excess 5.5 (row 1, col 1) and 4.0 (row 0, col 0); batch 2 has 9 (k = 2): 8.0 (row 0, col 2) and
     3.0 (row 1, col 2)."""
-    from pipeline.guided_loss import SelectionConfig
+    from pipeline.method.guided_loss import SelectionConfig
     from repro.diagnose import select, selection_stats
 
     batches = _hand_batches()

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 import repro.__main__  # noqa: F401  (registers the study's typed defaults)
 import stages.train_student  # noqa: F401  (registers the stage-2 defaults the repro composes)
-from pipeline.config import ConfigError
+from pipeline.runtime.config import ConfigError
 from repro.config import study_config
 from repro.power import allot_seeds, paired_sd, pilot_record
 from repro.report import detectable_difference, power_markdown, seeds_needed, sizing, summarize

@@ -7,7 +7,7 @@ from __future__ import annotations
 import yaml
 from huggingface_hub import DatasetCardData
 
-from pipeline.dataset_card import front_matter, shared_terms
+from pipeline.folders.dataset_card import front_matter, shared_terms
 from pipeline.export_student import card as export_card
 
 OWM = "open-web-math/open-web-math"

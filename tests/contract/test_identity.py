@@ -102,7 +102,7 @@ def test_changed_teacher_is_still_refused(project, tmp_path):
 
 
 def test_digest_cache_is_keyed_on_the_files_state(tmp_path, monkeypatch):
-    from pipeline import provenance as identity
+    from pipeline.folders import provenance as identity
 
     monkeypatch.setenv("VOCAGNO_CACHE", str(tmp_path / "cache"))
     entries = tmp_path / "cache" / "file-sha256"

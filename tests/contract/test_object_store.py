@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.folder_lock import LOCK_NAME, DatasetBusyError, exclusive_writer
+from pipeline.folders.folder_lock import LOCK_NAME, DatasetBusyError, exclusive_writer
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from pipeline.score_teacher.writer import (
     StorageConfig,
@@ -173,7 +173,7 @@ def test_a_stale_lock_is_taken_over(s3_server):
     # a holder on this machine whose process is gone (a killed driver): taken over at once
     import psutil
 
-    from pipeline.folder_lock import _holder
+    from pipeline.folders.folder_lock import _holder
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     started = psutil.Process(dead.pid).create_time()

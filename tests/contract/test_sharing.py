@@ -21,9 +21,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from rich.console import Console
 
-from pipeline.loss_histogram import DEFAULT_BIN_WIDTH
+from pipeline.method.loss_histogram import DEFAULT_BIN_WIDTH
 from pipeline.score_teacher.backends.base import ScorerConfig
-from pipeline.dataset_card import CARD_NAME, card_text, column_docs, loss_statistics, write_card
+from pipeline.folders.dataset_card import CARD_NAME, card_text, column_docs, loss_statistics, write_card
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
 from stages.inspect import run as inspect_run
@@ -244,10 +244,10 @@ def test_partial_run_card_then_a_failed_card_never_fails_the_job(micro_teacher, 
     shard = out / "shard-000000.parquet"
     good = shard.read_bytes()
     shard.write_bytes(good[:-4] + b"XXXX")
-    with caplog.at_level(logging.WARNING, logger="pipeline.dataset_card"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.folders.dataset_card"):
         summary = run_score_job(job())
     assert summary.complete and summary.shards_scored == 2
-    warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.dataset_card"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.folders.dataset_card"]
     assert any(str(out) in m and "could not write the dataset card" in m and f"{shard}: cannot read its losses" in m
                for m in warned), warned
     assert not (out / CARD_NAME).exists()

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pipeline.cpu_threads import torch_threads
+from pipeline.runtime.cpu_threads import torch_threads
 from pipeline.embedded.tiny_teacher import ProgressLog
 from storage_schemas import file_sha256
 

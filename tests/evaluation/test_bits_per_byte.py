@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from pipeline.bits_per_byte import TextLoss, summarize, text_losses
+from pipeline.method.bits_per_byte import TextLoss, summarize, text_losses
 from pipeline.evaluation.held_out import HeldOutText, HeldOutTextError, read_documents, text_digest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,7 +105,7 @@ def test_the_interval_over_documents_takes_the_t_tables_quantile_as_the_study_do
 def test_comparable_across_tokenizers(tiny_student, real_tokenizer):
     """One text, two real tokenizers of different vocabularies: the same bytes, other token counts,
     and bits per byte is each model's total bits over those bytes."""
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     text = ["Let x = 12. Then 3x + 4 = 40, so the answer is 40 🙂.", "Solve for y: 2y = 14, hence y = 7."]
     results = {}
@@ -155,7 +155,7 @@ def test_eval_student_measures_held_out_text_alone_and_compare_shows_it(tiny_stu
     from pipeline.evaluation.compare import compare, load_result, markdown_table
     from pipeline.evaluation.generation import GenerationConfig
     from pipeline.evaluation.run import EvalJobConfig, run_evaluation
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     texts = ["The sum of 3 and 4 is 7.", "Let x = 5. Then 2x = 10.", "A prime has two divisors."]
     held = tmp_path / "held.jsonl"

@@ -7,6 +7,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def student_tokenizer(tiny_student):
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.method.tokenization import load_tokenizer
 
     return load_tokenizer(str(tiny_student))

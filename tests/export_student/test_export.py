@@ -99,7 +99,7 @@ def test_megatron_files_read_back_by_megatron_equal_the_parquet_bit_for_bit(pack
 
 
 def test_card_and_manifest_say_what_made_the_export(packed, micro_scored, student_tokenizer):
-    from pipeline.tokenization import fingerprint
+    from pipeline.method.tokenization import fingerprint
 
     m = manifest(packed)
     card = (Path(packed) / "README.md").read_text()

@@ -16,7 +16,7 @@ import pytest
 
 from export_helpers import make_export
 from pipeline.export_student.job import run_export
-from pipeline.tokenization import TokenizerError
+from pipeline.method.tokenization import TokenizerError
 from storage_schemas.reader import BadShardError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 
 from export_helpers import make_export, manifest
 from pipeline.export_student.job import run_export
-from pipeline.shard_folder import DatasetMismatchError, parts_of
+from pipeline.folders.shard_folder import DatasetMismatchError, parts_of
 from storage_schemas import filesystem as sfs
 
 

@@ -15,7 +15,7 @@ import pytest
 import pipeline.export_student.job as export_job
 from export_helpers import exported_rows, make_export, manifest
 from pipeline.export_student.job import run_export
-from pipeline.shard_folder import DatasetMismatchError
+from pipeline.folders.shard_folder import DatasetMismatchError
 
 
 def files(folder: Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The public loss (pipeline.guided_loss) as another trainer calls it: the hand-worked example of
+"""The public loss (pipeline.method.guided_loss) as another trainer calls it: the hand-worked example of
 docs/METHOD.md §2.2, NaN teacher losses as the only sign of an unmapped token, a valid mask instead
 of labels, logits against a float64 brute force, and the per-token masks it returns."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pipeline.guided_loss import GuidedLoss, SelectionConfig, guided_loss
+from pipeline.method.guided_loss import GuidedLoss, SelectionConfig, guided_loss
 
 NAN = float("nan")
 # METHOD §2.2: targets ▁Thus ▁sq rt ( 4 9 )= 7 ▁ b1 b2 b3 b4 EOS

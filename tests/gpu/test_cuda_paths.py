@@ -90,7 +90,7 @@ def brute_force_trained(token_loss, valid, teacher, ratio: float) -> torch.Tenso
 
 
 def test_guided_selection_on_cuda_equals_the_brute_force_one():
-    from pipeline.guided_loss import SelectionConfig, guided_loss
+    from pipeline.method.guided_loss import SelectionConfig, guided_loss
 
     g = torch.Generator().manual_seed(5)
     shape = (3, 50)

@@ -20,7 +20,7 @@ from pipeline.inspection.align_report import (
     align_report,
 )
 from storage_schemas.reader import ScoredDataset
-from pipeline.tokenization import encode
+from pipeline.method.tokenization import encode
 
 CHUNKS = (1, 3, 16)
 
@@ -137,7 +137,7 @@ def test_identical_tokenizers_align_one_to_one_and_chunks_do_not(micro_corpus, r
     from pipeline.embedded.sample_corpus import clean_texts
     from pipeline.score_teacher.writer import write_manifest, write_shard
     from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
-    from pipeline.tokenization import encode_batch
+    from pipeline.method.tokenization import encode_batch
 
     tok = real_tokenizer("mistral")
     texts = clean_texts(micro_corpus)[:40]

@@ -13,7 +13,7 @@ from pipeline.inspection.align_report import align_record
 from storage_schemas.reader import DocumentRecord
 from pipeline.inspection.html import StudentView, document_section, page
 from pipeline.inspection.pieces import PALETTE, LossScale, cut_pieces
-from pipeline.tokenization import encode
+from pipeline.method.tokenization import encode
 
 HOSTILE = ('<script>alert("x")</script> & <b>bold</b> "quotes" \'single\' </div></span>\n'
            "emoji 🙂 family 👨\u200d👩\u200d👧 中文 x² ≤ ∞\n\n  spaces  & &amp; &lt;")

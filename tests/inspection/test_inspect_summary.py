@@ -15,7 +15,7 @@ import pytest
 
 from storage_schemas.reader import DocumentNotFoundError, ScoredDataset
 from pipeline.inspection.summary import summarize
-from pipeline.loss_histogram import LossHistogram
+from pipeline.method.loss_histogram import LossHistogram
 from storage_schemas import SKIP_REASONS
 from storage_schemas import read_manifest
 

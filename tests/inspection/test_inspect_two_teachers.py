@@ -16,7 +16,7 @@ from rich.console import Console
 from pipeline.inspection.two_teachers import two_teachers
 from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
-from pipeline.tokenization import encode_batch
+from pipeline.method.tokenization import encode_batch
 from stages.common import ConfigError
 from stages.inspect import run
 from storage_schemas.reader import ScoredDataset, ScoredDocument

@@ -16,7 +16,7 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from pipeline.model_source import installed_file
+    from pipeline.folders.model_source import installed_file
 
     found = installed_file(*SMOLLM2)
     if found is None:

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.alignment import align_document, align_spans
-from pipeline.tokenization import encode, load_tokenizer
+from pipeline.method.alignment import align_document, align_spans
+from pipeline.method.tokenization import encode, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, UserError
+from pipeline.runtime.config import ConfigError, UserError
 from pipeline.score_teacher.pool import PoolConfig, actors_per_node, num_actors
 from storage_schemas import read_manifest
 from test_score_job import assert_same_dataset
@@ -27,7 +27,7 @@ DRIVER = """
 import json, subprocess, sys, time
 import ray
 from ray.cluster_utils import Cluster
-from pipeline.config import UserError
+from pipeline.runtime.config import UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job

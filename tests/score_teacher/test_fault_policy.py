@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import UserError
+from pipeline.runtime.config import UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.faults import FAULTS_ENV

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.output_folder import StorageError
+from pipeline.folders.output_folder import StorageError
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig

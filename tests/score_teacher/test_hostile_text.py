@@ -13,7 +13,7 @@ from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.hf import TransformersScorer
 from pipeline.score_teacher.corpus import CorpusConfig, Document, plan_shards, read_shard, resolve_sources
 from pipeline.score_teacher.teacher import WindowSettings, score_documents
-from pipeline.tokenization import load_tokenizer
+from pipeline.method.tokenization import load_tokenizer
 from tests.hostile_text import HOSTILE
 
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.config import UserError
+from pipeline.runtime.config import UserError
 from pipeline.score_teacher.faults import FAULTS_ENV
 from pipeline.score_teacher.pool import ActorStartError, PoolConfig, ResourcesUnavailableError, run_shards
 from storage_schemas import file_sha256, read_manifest
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = """
 import glob, json, logging, os, shutil, signal, subprocess, sys, threading, time
 from ray.cluster_utils import Cluster
-from pipeline.config import UserError
+from pipeline.runtime.config import UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job

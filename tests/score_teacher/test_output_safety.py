@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.output_folder import StorageError, set_aside
+from pipeline.folders.output_folder import StorageError, set_aside
 from pipeline.score_teacher.job import run_score_job
 from pipeline.score_teacher.pool import ShardFailedError
 from pipeline.score_teacher.writer import SCORED, DatasetMismatchError
-from pipeline.shard_folder import output_entries
+from pipeline.folders.shard_folder import output_entries
 from storage_schemas import read_manifest
 from test_faults_stage1 import tiny_filesystem  # noqa: F401  (a fixture: a small tmpfs)
 from test_score_job import job

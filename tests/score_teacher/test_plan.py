@@ -18,7 +18,7 @@ from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig
 from pipeline.score_teacher.plan import plan_score_job
-from pipeline.tokenization import load_tokenizer
+from pipeline.method.tokenization import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_plan_true_prints_the_bill_and_starts_nothing(micro_teacher, micro_corpu
 
 
 def test_the_training_plan_matches_the_runs_packing(micro_scored, tiny_student, tmp_path):
-    from pipeline.student_side import AlignmentConfig, PackingConfig, build_student_data
+    from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
     from pipeline.train_student.plan import plan_training
     from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
     from storage_schemas.reader import open_scored_dataset

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.rehearsal import LOSS_QUANTILES, RehearsalScorer
-from pipeline.windows import plan_windows, stitch
+from pipeline.method.windows import plan_windows, stitch
 from rehearsal_reference import reference_window
 
 def test_losses_equal_the_definition_token_by_token():

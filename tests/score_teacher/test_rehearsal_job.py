@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.rehearsal import NOTE, RehearsalDataError
+from pipeline.folders.rehearsal import NOTE, RehearsalDataError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
@@ -153,7 +153,7 @@ def test_the_rehearsal_preset_asks_no_model_and_needs_a_window(qwen_folder, micr
     rehearsal teacher without a window is refused before any work, naming the setting."""
     from hydra import compose, initialize_config_dir
 
-    from pipeline.config import ConfigError
+    from pipeline.runtime.config import ConfigError
     from stages.score_teacher import job_config
 
     def _compose(name: str, overrides: list[str]):

@@ -16,7 +16,7 @@ from pipeline.score_teacher.corpus import CorpusConfig, CorpusError
 from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, prepare, run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.writer import DatasetMismatchError
-from pipeline.tokenization import load_tokenizer
+from pipeline.method.tokenization import load_tokenizer
 from storage_schemas import check_rows, complete_shard_files, file_sha256, read_manifest, read_shard_metadata
 
 
@@ -176,7 +176,7 @@ def assert_same_dataset(a_dir, b_dir):
 
 
 def test_second_job_on_the_same_folder_is_refused(micro_teacher, micro_corpus, tmp_path):
-    from pipeline.folder_lock import DatasetBusyError, exclusive_writer
+    from pipeline.folders.folder_lock import DatasetBusyError, exclusive_writer
 
     out = tmp_path / "ds"
     with exclusive_writer(out):  # as if another driver were running

@@ -9,7 +9,7 @@ from pipeline.score_teacher.corpus import Document
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.hf import TransformersScorer, batches_by_tokens, head_chunk_positions
 from pipeline.score_teacher.teacher import WindowSettings, score_documents
-from pipeline.tokenization import encode, load_tokenizer
+from pipeline.method.tokenization import encode, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ class _EncodedScorer:
 
     def losses(self, ids, window, stride):
         from pipeline.score_teacher.teacher import _score_encodings
-        from pipeline.tokenization import Encoding
+        from pipeline.method.tokenization import Encoding
 
         enc = Encoding(ids=ids, starts=np.zeros_like(ids), ends=np.zeros_like(ids))
         return _score_encodings([enc], self.scorer, WindowSettings(window=window, stride=stride, bos_id=None))[0]

@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from pipeline.config import ConfigError, UserError
+from pipeline.runtime.config import ConfigError, UserError
 from pipeline.inspection.parity import compare_folders
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.server import ServerScorer
@@ -376,7 +376,7 @@ def test_an_unreachable_server_is_one_line(micro_teacher, micro_corpus, tmp_path
 
 
 def test_server_settings_are_validated_with_the_others():
-    from pipeline.config import build
+    from pipeline.runtime.config import build
 
     problems: list[str] = []
     build(ScorerConfig, {"backend": "server", "in_flight_per_actor": 0, "retry_for_s": 0}, "scorer", problems)

@@ -19,7 +19,7 @@ import torch
 
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.hf import TransformersScorer, load_causal_lm
-from pipeline.model_source import TeacherSourceError, check_teacher_source
+from pipeline.folders.model_source import TeacherSourceError, check_teacher_source
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

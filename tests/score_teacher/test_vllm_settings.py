@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from pipeline.score_teacher.backends.base import ScorerConfig
-from pipeline.config import ConfigError
-from pipeline.dataset_card import _engines, engine_text
+from pipeline.runtime.config import ConfigError
+from pipeline.folders.dataset_card import _engines, engine_text
 from pipeline.score_teacher.backends.vllm import (
     EngineStartError,
     cpu_kv_cache_bytes,
@@ -31,7 +31,7 @@ from pipeline.score_teacher.backends.vllm import (
     root_cause,
     start_failure,
 )
-from pipeline.windows import plan_windows
+from pipeline.method.windows import plan_windows
 
 
 def engine_accepts_prompt(prompt_len: int, max_model_len: int) -> bool:

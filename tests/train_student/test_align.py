@@ -1,4 +1,4 @@
-"""pipeline.alignment against brute-force references, on synthetic span sets."""
+"""pipeline.method.alignment against brute-force references, on synthetic span sets."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.alignment import (
+from pipeline.method.alignment import (
     aggregate_teacher_losses,
     align_document,
     align_spans,
@@ -15,7 +15,7 @@ from pipeline.alignment import (
     chunk_align,
     overlap_pairs,
 )
-from pipeline.tokenization import Encoding
+from pipeline.method.tokenization import Encoding
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -289,7 +289,7 @@ def test_batched_alignment_equals_one_document_at_a_time():
     """align_documents shifts documents onto one line; the result must not change per document."""
     from types import SimpleNamespace
 
-    from pipeline.alignment import align_document, align_documents
+    from pipeline.method.alignment import align_document, align_documents
 
     rng = np.random.default_rng(0)
     students, teachers = [], []
@@ -346,7 +346,7 @@ def batch_document(draw):
 @settings(max_examples=300, deadline=None)
 @given(docs=st.lists(batch_document(), max_size=6), how=st.sampled_from(["max", "mean", "min"]))
 def test_align_documents_equals_align_document_bit_for_bit(docs, how):
-    from pipeline.alignment import _SharedLine, align_documents
+    from pipeline.method.alignment import _SharedLine, align_documents
 
     students, teachers = [s for s, _ in docs], [t for _, t in docs]
     goes_back = [k for k, (a, b, _) in enumerate(teachers) if np.any(np.diff(a) < 0) or np.any(np.diff(b) < 0)]
@@ -362,7 +362,7 @@ def test_align_documents_equals_align_document_bit_for_bit(docs, how):
 
 
 def test_align_documents_other_methods_and_errors():
-    from pipeline.alignment import align_documents
+    from pipeline.method.alignment import align_documents
 
     s = Encoding(np.zeros(3, np.int32), np.array([0, 2, 3], np.int32), np.array([2, 3, 5], np.int32))
     same = (s.starts, s.ends, np.array([1.0, 2.0, 3.0], np.float32))

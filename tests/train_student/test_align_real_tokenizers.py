@@ -1,4 +1,4 @@
-"""pipeline.alignment on the project's real tokenizers (see ../shared/tokenizers/README.md).
+"""pipeline.method.alignment on the project's real tokenizers (see ../shared/tokenizers/README.md).
 
 Student: TinyLlama / Llama-2 SentencePiece. Teachers: Qwen2.5 and DeepSeekMath (byte-level BPE)
 and Mistral (its own SentencePiece). Each tokenizer is loaded once per session (Qwen2's GGUF
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.alignment import align_document, align_spans, alignment_quality, overlap_pairs
-from pipeline.tokenization import encode
+from pipeline.method.alignment import align_document, align_spans, alignment_quality, overlap_pairs
+from pipeline.method.tokenization import encode
 
 TOKENIZERS = Path(__file__).resolve().parents[2].parent / "shared" / "tokenizers"
 pytestmark = pytest.mark.skipif(
@@ -145,8 +145,8 @@ def same_bits(x: np.ndarray, y: np.ndarray) -> bool:
 def test_batched_fast_path_equals_align_document_on_real_tokenizers(real_tokenizer, student_name):
     """Every real tokenizer pair takes align_documents' fast path (no document falls back) and
     gets align_document's losses bit for bit, with NaN losses and a teacher BOS (0, 0) span."""
-    from pipeline.alignment import _SharedLine, align_documents
-    from pipeline.tokenization import encode_batch
+    from pipeline.method.alignment import _SharedLine, align_documents
+    from pipeline.method.tokenization import encode_batch
 
     texts = [*TEXTS, "", " ", TEXTS[0] * 3]
     student = encode_batch(real_tokenizer(student_name), texts)

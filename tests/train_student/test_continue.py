@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import pipeline.train_student.run as run_module
-from pipeline.config import ConfigError, MissingPathError
-from pipeline.student_side import collate_packed
+from pipeline.runtime.config import ConfigError, MissingPathError
+from pipeline.student_data.student_side import collate_packed
 from pipeline.train_student.checkpoints import RunMismatchError
 from pipeline.train_student.run import TrainJobConfig, run_training, validate
 from storage_schemas import file_sha256

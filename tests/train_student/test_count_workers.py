@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.student_side import measure_documents
-from pipeline.tokenization import load_tokenizer
+from pipeline.student_data.student_side import measure_documents
+from pipeline.method.tokenization import load_tokenizer
 from storage_schemas.reader import open_scored_dataset
 
 

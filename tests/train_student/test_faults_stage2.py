@@ -282,7 +282,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_a_usable_checkpoint(tiny_stu
 
 
 def test_second_training_on_the_same_run_folder_is_refused(tiny_student, micro_scored, tmp_path):
-    from pipeline.folder_lock import DatasetBusyError, exclusive_writer
+    from pipeline.folders.folder_lock import DatasetBusyError, exclusive_writer
 
     job = make_job(tiny_student, micro_scored, tmp_path / "run")
     with exclusive_writer(job.output_dir, what="training run"):  # as if another launch were training

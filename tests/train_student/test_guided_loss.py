@@ -1,4 +1,4 @@
-"""pipeline.guided_loss: selection counts, gradients, baselines, ranking scope."""
+"""pipeline.method.guided_loss: selection counts, gradients, baselines, ranking scope."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.guided_loss import SelectionConfig, guided_loss, k_for
+from pipeline.method.guided_loss import SelectionConfig, guided_loss, k_for
 
 NAN = float("nan")
 

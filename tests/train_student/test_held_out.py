@@ -18,11 +18,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import ConfigError
+from pipeline.runtime.config import ConfigError
 from pipeline.evaluation.held_out import RUN_DATA_IDENTITY, text_digest
 from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
-from pipeline.tokenization import encode_batch, load_tokenizer
+from pipeline.method.tokenization import encode_batch, load_tokenizer
 from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME, RunMismatchError
 from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training
 from storage_schemas.reader import ScoredDocument

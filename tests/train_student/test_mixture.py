@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from pipeline.config import ConfigError
+from pipeline.runtime.config import ConfigError
 from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
-from pipeline.tokenization import encode_batch, load_tokenizer
+from pipeline.method.tokenization import encode_batch, load_tokenizer
 from pipeline.train_student.mixture import BLOCK, TAG, MixtureCorpus, MixtureOrder
 from pipeline.train_student.run import (
     DataConfig,

@@ -21,13 +21,13 @@ import torch
 
 from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
-from pipeline.alignment import align_document
-from pipeline.student_side import AlignmentConfig, PackingConfig, build_student_data
-from pipeline.guided_loss import SelectionConfig, select_tokens
+from pipeline.method.alignment import align_document
+from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+from pipeline.method.guided_loss import SelectionConfig, select_tokens
 from pipeline.train_student.run import run_training
-from pipeline.several_teachers import TeacherMismatchError, combine_losses, open_teachers
+from pipeline.student_data.several_teachers import TeacherMismatchError, combine_losses, open_teachers
 from pipeline.train_student.several_teachers import TeacherMetrics, decision_credit
-from pipeline.tokenization import Encoding, load_tokenizer
+from pipeline.method.tokenization import Encoding, load_tokenizer
 from storage_schemas.reader import ScoredDataset, ScoredDocument, ShardReader
 from test_train_student import CrashAt, make_job, metrics
 

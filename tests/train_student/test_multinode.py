@@ -4,7 +4,7 @@ CPU, one process each) against one process with the same global batch.
 What each process reads is recorded by a ``sitecustomize`` module that the test puts first on the
 launchers' ``PYTHONPATH`` (test-only instrumentation; the code under test is unchanged): it wraps
 ``storage_schemas.reader.read_row_group`` (every row group decoded, with its columns),
-``pipeline.student_side.count_tokens`` (the token count) and ``PackedDataset.__getitems__``
+``pipeline.student_data.student_side.count_tokens`` (the token count) and ``PackedDataset.__getitems__``
 (the samples a rank's data-loader workers are asked for), and appends one JSON line per call,
 tagged with the process's global rank and launcher, to a per-process file.
 """
@@ -46,7 +46,7 @@ SITECUSTOMIZE = '''
 import json, os
 if os.environ.get("READ_LOG_DIR"):
     import storage_schemas.reader as reader
-    import pipeline.student_side as data
+    import pipeline.student_data.student_side as data
 
     def _log(**record):
         record.update(pid=os.getpid(), rank=int(os.environ.get("RANK", "-1")), node=os.environ.get("NODE_TAG"))
@@ -198,8 +198,8 @@ def rank_samples(rank: int, steps: int) -> set[int]:
 def needed_row_groups(scored: Path, student: Path, samples: set[int]) -> set[tuple[str, int]]:
     """(shard file, row group) of every document the given samples take tokens from, from the
     packing plan that an independent build of the same data gives."""
-    from pipeline.tokenization import load_tokenizer
-    from pipeline.student_side import AlignmentConfig, PackingConfig, build_student_data
+    from pipeline.method.tokenization import load_tokenizer
+    from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
     from storage_schemas.reader import open_scored_dataset
 
     data = build_student_data(open_scored_dataset([scored]), load_tokenizer(str(student)),
@@ -303,7 +303,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.student_side import _on_rank_zero
+from pipeline.student_data.student_side import _on_rank_zero
 from storage_schemas.reader import BadShardError
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]

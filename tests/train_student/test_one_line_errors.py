@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError
+from pipeline.runtime.config import ConfigError
 from pipeline.export_student.config import export_job_config
-from pipeline.student_side import AlignmentConfig, resolve_alignment
-from pipeline.tokenization import load_tokenizer
+from pipeline.student_data.student_side import AlignmentConfig, resolve_alignment
+from pipeline.method.tokenization import load_tokenizer
 from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training, train_job_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,9 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.held_out_shards import hold_out
-from pipeline.student_side import AlignmentConfig, PackingConfig, build_student_data
-from pipeline.tokenization import load_tokenizer
+from pipeline.student_data.held_out_shards import hold_out
+from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+from pipeline.method.tokenization import load_tokenizer
 from storage_schemas.reader import open_scored_dataset
 
 REPO = Path(__file__).resolve().parents[2]

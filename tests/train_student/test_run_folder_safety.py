@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from pipeline.config import ConfigError
+from pipeline.runtime.config import ConfigError
 from pipeline.train_student.run import RunMismatchError, run_training, train_job_config
 from test_train_student import make_job, metrics
 

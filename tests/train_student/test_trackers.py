@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError
-from pipeline.student_side import AlignmentConfig
+from pipeline.runtime.config import ConfigError
+from pipeline.student_data.student_side import AlignmentConfig
 from pipeline.train_student.mixture import MixtureCorpus
 from pipeline.train_student.run import TrainConfig, run_training
 from pipeline.train_student.trackers import MLFLOW_FILE_STORE

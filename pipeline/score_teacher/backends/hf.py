@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.model_source import resolve_device
+from pipeline.folders.model_source import resolve_device
 from pipeline.score_teacher.backends.base import ScorerConfig
 
 log = logging.getLogger(__name__)

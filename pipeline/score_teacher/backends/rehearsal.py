@@ -2,7 +2,7 @@
 that everything around the forward (Ray actors, tokenization, windows, the writer, markers,
 manifest, resume, the card, stage 2 and the export) runs at real size on CPUs
 (docs/sizing-a-run.md#rehearsing-at-scale). Its output is named as a rehearsal's and the
-consumers refuse it unless told (:mod:`pipeline.rehearsal`).
+consumers refuse it unless told (:mod:`pipeline.folders.rehearsal`).
 
 The teacher is its tokenizer (``teacher.model``: a tokenizer folder, ``.gguf`` or hub id) plus a
 fixed function: the loss of token ``w[i]`` of a window is ``Q(u)``, where ``u`` in ``[0, 1)`` is a
@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.rehearsal import REHEARSAL_BACKEND
+from pipeline.folders.rehearsal import REHEARSAL_BACKEND
 from pipeline.score_teacher.backends.base import ScorerConfig
 
 VERSION = 1

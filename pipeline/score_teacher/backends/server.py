@@ -46,7 +46,7 @@ import numpy as np
 import requests
 from requests.adapters import HTTPAdapter
 
-from pipeline.config import ConfigError, UserError
+from pipeline.runtime.config import ConfigError, UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.vllm import PromptLogprobError, prompt_logprobs_to_losses
 

@@ -45,7 +45,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from pipeline.config import ConfigError, UserError
+from pipeline.runtime.config import ConfigError, UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
 
 log = logging.getLogger(__name__)

@@ -276,7 +276,7 @@ def align_document(
     """Teacher loss per student token for one document.
 
     ``student_encoding`` is anything with ``starts`` and ``ends`` arrays (an
-    :class:`pipeline.tokenization.Encoding`). Token-level alignment (default) aggregates the losses
+    :class:`pipeline.method.tokenization.Encoding`). Token-level alignment (default) aggregates the losses
     of ``A(i)`` with ``how`` (exact for any span set, via :func:`overlap_pairs`).
 
     ``one_to_one=True`` is same-vocabulary Rho-1: teacher and student share the tokenizer, so

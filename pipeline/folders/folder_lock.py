@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.config import UserError
+from pipeline.runtime.config import UserError
 from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from pipeline.config import ConfigError, UserError, override
-from pipeline.provenance import file_sha256_cached
+from pipeline.runtime.config import ConfigError, UserError, override
+from pipeline.folders.provenance import file_sha256_cached
 
 HUB_TIMEOUT_S = 10.0
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pipeline import __version__
-from pipeline.config import MissingPathError
+from pipeline.runtime.config import MissingPathError
 from storage_schemas import file_sha256, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def model_identity(model: str, revision: str | None = None) -> dict:
     identity = {"source": "local", "model": None, "revision": None,
                 "config_sha256": digest_files([config, *code]), "weights_sha256": digest_files(weights)}
     converted = path / "converted_from.json"
-    if converted.is_file():  # a folder written from a GGUF checkpoint (pipeline.model_source.convert_gguf)
+    if converted.is_file():  # a folder written from a GGUF checkpoint (pipeline.folders.model_source.convert_gguf)
         facts = json.loads(converted.read_text())
         if "gguf_sha256" in facts:
             identity["converted_from"] = {k: facts.get(k) for k in ("gguf_file", "gguf_sha256", "tensor_types")}

@@ -35,14 +35,14 @@ How it is built
    attention mask (as in the paper's LitGPT pretraining); EOS marks the boundary.
 4. **Alignment** (:class:`PackedDataset`, in data-loader workers): the documents of a batch of
    samples, and of the samples the worker will be asked for next, are tokenized with offsets in
-   one call (:func:`pipeline.tokenization.encode_batch`, special-token strings stay text), aligned
-   to the teacher's spans in one call (:func:`pipeline.alignment.align_documents`), cached and sliced. Each
+   one call (:func:`pipeline.method.tokenization.encode_batch`, special-token strings stay text), aligned
+   to the teacher's spans in one call (:func:`pipeline.method.alignment.align_documents`), cached and sliced. Each
    position carries its target id, ``teacher_loss`` (the aggregated ``L_t`` of the target, NaN
    where unmapped) and ``mapped``. BOS/EOS are unmapped; so is every token of a document the
    teacher stored with zero tokens (whitespace-only texts): such documents are trained as unmapped.
 
 Several teachers (METHOD 2.6): :func:`build_student_data` takes one scored dataset per teacher,
-matches their documents (:func:`pipeline.several_teachers.match_teachers`), plans the stream
+matches their documents (:func:`pipeline.student_data.several_teachers.match_teachers`), plans the stream
 of the matched documents, and each worker aligns every document to each teacher separately and
 combines the losses per student token; each position then also carries every teacher's ``L_t``
 (``teacher_losses``, (L, T)) for the per-teacher metrics. With one teacher nothing of this runs.
@@ -72,14 +72,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.alignment import (
+from pipeline.method.alignment import (
     AGGREGATIONS,
     DocumentAlignment,
     align_document,
     align_documents,
 )
-from pipeline.config import ConfigError, UserError, check_at_least, check_choice, refuse
-from pipeline.several_teachers import (
+from pipeline.runtime.config import ConfigError, UserError, check_at_least, check_choice, refuse
+from pipeline.student_data.several_teachers import (
     COMBINATIONS,
     TeacherMatch,
     combine_losses,
@@ -87,7 +87,7 @@ from pipeline.several_teachers import (
     match_teachers,
     teacher_names,
 )
-from pipeline.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
+from pipeline.method.tokenization import bos_token_id, encode_batch, fingerprint, require_fast
 from storage_schemas import MANIFEST_NAME
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import (
@@ -506,7 +506,7 @@ class Window:
 @dataclass(frozen=True)
 class TeacherSources:
     """What a worker needs to align each document to several teachers and combine (§2.6): where
-    each stream document is in every teacher's shards (:class:`pipeline.several_teachers.TeacherMatch`),
+    each stream document is in every teacher's shards (:class:`pipeline.student_data.several_teachers.TeacherMatch`),
     each teacher's resolved alignment and the combination."""
 
     shards: list[ShardInfo]  # the stream's shards first, then every other teacher shard
@@ -538,7 +538,7 @@ class PackedDataset(torch.utils.data.Dataset):
     opens its own :class:`ShardReader` and keeps its own cache of aligned documents.
 
     Documents are tokenized and aligned many at a time: one ``encode_batch`` call and one
-    :func:`pipeline.alignment.align_documents` call for every document a request needs that is not
+    :func:`pipeline.method.alignment.align_documents` call for every document a request needs that is not
     cached, where a request is a whole batch of samples (a data loader hands a worker its batch
     at once, :meth:`__getitems__`) or one sample. On a cache miss a request also reads ahead, up to
     ``readahead_tokens`` stream tokens, the documents of the samples this worker is expected to
@@ -833,7 +833,7 @@ def build_student_data(
 ) -> StudentData:
     """Measure, plan and wrap a scored dataset as packed samples for one student tokenizer.
 
-    ``scored`` is one teacher's dataset, or one per teacher (:func:`pipeline.several_teachers.open_teachers`):
+    ``scored`` is one teacher's dataset, or one per teacher (:func:`pipeline.student_data.several_teachers.open_teachers`):
     several are matched document by document and combined per ``alignment.combine`` (§2.6)."""
     check_teacher_weights(alignment, [scored] if isinstance(scored, ScoredDataset) else list(scored))
     if not isinstance(scored, ScoredDataset):

@@ -16,7 +16,7 @@ teachers' documents by ``doc_id`` and text, and combine their aligned losses per
   ``mean`` or ``weighted`` (a weighted mean). A token is unmapped only when no teacher maps it;
   the means run over the teachers that map it.
 
-Shared by stage 2 and the export (:mod:`pipeline.student_side` aligns and combines with these);
+Shared by stage 2 and the export (:mod:`pipeline.student_data.student_side` aligns and combines with these);
 what the trainer measures per teacher is in :mod:`pipeline.train_student.several_teachers`.
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.config import ConfigError
+from pipeline.runtime.config import ConfigError
 from storage_schemas.reader import (
     BadShardError,
     ContractError,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeline.config import ConfigError
+from pipeline.runtime.config import ConfigError
 from storage_schemas import filesystem as sfs
 from storage_schemas import iter_identity_differences
 from storage_schemas.reader import ScoredDataset, ScoredFolder

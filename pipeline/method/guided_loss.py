@@ -3,7 +3,7 @@
 Needs torch only. Give it, per position, what the student predicts and what the teacher thought of
 the same target; it returns the loss to back-propagate and the statistics of the selection::
 
-    from pipeline.guided_loss import SelectionConfig, guided_loss
+    from pipeline.method.guided_loss import SelectionConfig, guided_loss
 
     loss, stats = guided_loss(logits, labels, teacher_loss)           # (B, T, V), (B, T), (B, T)
     loss, stats = guided_loss(per_token_ce, labels, teacher_loss)      # or the student's (B, T) losses
@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import check_choice, refuse
+from pipeline.runtime.config import check_choice, refuse
 
 IGNORE_INDEX = -100
 MODES = ("guided", "cpt", "random")

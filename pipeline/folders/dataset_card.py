@@ -13,7 +13,7 @@ skipped documents by reason, from the manifest), its loss statistics, its schema
 The manifest stays the truth; the card is derived from it and rewritten at the end of every run,
 so a partial dataset has a card that says it is partial. Loss statistics are streamed from the
 shards' ``losses`` column one record batch at a time into the histogram ``make inspect`` uses
-(:mod:`pipeline.loss_histogram`), so both report the same numbers; above
+(:mod:`pipeline.method.loss_histogram`), so both report the same numbers; above
 :data:`STATS_TOKEN_BUDGET` tokens they come from evenly spaced shards only, and the card says which.
 """
 
@@ -34,14 +34,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from huggingface_hub import DatasetCardData
 
-from pipeline.loss_histogram import (
+from pipeline.method.loss_histogram import (
     DEFAULT_BIN_WIDTH,
     LossHistogram,
     loss_histogram_query,
     merge_bins,
 )
-from pipeline.rehearsal import NOTE as REHEARSAL_NOTE
-from pipeline.rehearsal import is_rehearsal
+from pipeline.folders.rehearsal import NOTE as REHEARSAL_NOTE
+from pipeline.folders.rehearsal import is_rehearsal
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,
@@ -75,7 +75,7 @@ SIZE_CATEGORIES = [(1e3, "n<1K"), (1e4, "1K<n<10K"), (1e5, "10K<n<100K"), (1e6, 
 class LossStatistics:
     """Per-token teacher losses over the shards read: exact mean, min and max of the finite
     losses; quantiles from a histogram of ``bin_width`` nats (each within one bin of the losses at
-    its rank, as :meth:`pipeline.loss_histogram.LossHistogram.quantile` computes them)."""
+    its rank, as :meth:`pipeline.method.loss_histogram.LossHistogram.quantile` computes them)."""
 
     shards_read: list[str]
     shards_listed: int

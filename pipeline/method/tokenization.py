@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.config import MissingPathError, UserError
+from pipeline.runtime.config import MissingPathError, UserError
 
 
 class TokenizerError(UserError, ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from pipeline.config import UserError
+from pipeline.runtime.config import UserError
 
 log = logging.getLogger(__name__)
 

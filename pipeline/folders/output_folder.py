@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from pipeline.config import UserError
-from pipeline.folder_lock import LOCK_NAME
+from pipeline.runtime.config import UserError
+from pipeline.folders.folder_lock import LOCK_NAME
 from storage_schemas import filesystem as sfs
 
 log = logging.getLogger(__name__)

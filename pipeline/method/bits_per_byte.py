@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import UserError
+from pipeline.runtime.config import UserError
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset
 

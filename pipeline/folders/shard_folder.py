@@ -16,7 +16,7 @@ folders and the export's student-side folders (docs/METHOD.md §1.5).
   refused whatever ``overwrite`` says (:func:`foreign_problem`). One of the same kind made with
   another identity is refused with the list of differences (:func:`folder_problem`), unless
   ``overwrite``: its shards are then set aside and deleted once the new run has finished its first
-  shard, or put back if it fails before (:mod:`pipeline.output_folder`). The manifest
+  shard, or put back if it fails before (:mod:`pipeline.folders.output_folder`). The manifest
   (``manifest.json``) is the folder's truth; readers use the shards it lists; each stage writes its
   own from the markers.
 """
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from pipeline.config import UserError
-from pipeline.folder_lock import LOCK_NAME
-from pipeline.output_folder import SetAside, describe, is_aside, recover, set_aside
+from pipeline.runtime.config import UserError
+from pipeline.folders.folder_lock import LOCK_NAME
+from pipeline.folders.output_folder import SetAside, describe, is_aside, recover, set_aside
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,
