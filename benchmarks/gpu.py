@@ -44,7 +44,7 @@ What is measured (after warm-up, CUDA-synchronised, the sides of each part inter
 * ``training``: the student training step at the TinyLlama 1.1B shape, sequence 2048: float32
   master weights, bf16 autocast (what the Trainer's ``bf16=True`` does), fused AdamW, with the
   project's loss in ``guided`` mode and in ``cpt`` mode (:func:`pipeline.method.guided_loss.guided_loss`);
-* ``data``: the student data pipeline (read + tokenize + align + pack, :mod:`pipeline.student_data.student_side`)
+* ``data``: the student data pipeline (read + tokenize + align + pack, :mod:`pipeline.student_data.build`)
   in one process over a scored dataset written here (generated math text, random teacher losses),
   as packed tokens per CPU-second, next to the GPU's training tokens/s: the CPU cores one GPU needs;
 * ``vllm``: where ``vllm`` imports, the project's :class:`pipeline.score_teacher.backends.vllm.VLLMScorer`
@@ -639,7 +639,9 @@ def bench_data(s: Settings, work: Path, teacher_tokenizer: str | None, student_t
     from pipeline.embedded.tiny_teacher import train_tokenizer
     from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
     from pipeline.score_teacher.writer import write_manifest, write_shard
-    from pipeline.student_data.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
+    from pipeline.student_data.build import build_student_data
+    from pipeline.student_data.dataset import PackedDataset, collate_packed
+    from pipeline.student_data.settings import AlignmentConfig, PackingConfig
     from pipeline.method.tokenization import encode_batch, load_tokenizer
     from storage_schemas.reader import open_scored_dataset
 

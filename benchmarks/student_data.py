@@ -6,10 +6,10 @@ single-threaded and compared by process CPU time:
 
 * ``tokenize``: :func:`pipeline.method.tokenization.encode_batch` of the same documents, a row group
   (up to 1024 documents) per call: the tokenization the pipeline cannot avoid;
-* ``pipeline``: every packed sample of a fresh :class:`pipeline.student_data.student_side.PackedDataset` read
+* ``pipeline``: every packed sample of a fresh :class:`pipeline.student_data.dataset.PackedDataset` read
   in order through a ``torch.utils.data.DataLoader`` in batches of ``batch_size`` samples (the
   training micro batch), as the trainer's data loader reads it: reading the rows, tokenizing,
-  aligning, packing (the plan, built once by :func:`pipeline.student_data.student_side.build_student_data`, is
+  aligning, packing (the plan, built once by :func:`pipeline.student_data.build.build_student_data`, is
   not timed: the steady state of training);
 * ``pipeline_cold``: a first run, everything included: ``build_student_data`` with an empty length
   cache (its length pass tokenizes every document once more before training starts, and it
@@ -57,7 +57,7 @@ def read_packed(dataset, batch_size: int) -> int:
     """Every sample of a packed dataset through a data loader, as training reads it; the tokens delivered."""
     import torch
 
-    from pipeline.student_data.student_side import collate_packed
+    from pipeline.student_data.dataset import collate_packed
 
     for _ in torch.utils.data.DataLoader(dataset, batch_size=batch_size, collate_fn=collate_packed):
         pass
@@ -66,7 +66,9 @@ def read_packed(dataset, batch_size: int) -> int:
 
 def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike) -> dict:
     """``dataset``: a complete stage-1 output folder."""
-    from pipeline.student_data.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
+    from pipeline.student_data.build import build_student_data
+    from pipeline.student_data.dataset import PackedDataset
+    from pipeline.student_data.settings import AlignmentConfig, PackingConfig
     from pipeline.method.tokenization import encode_batch
     from storage_schemas.reader import open_scored_dataset, read_row_group
 
@@ -107,8 +109,8 @@ def run(cfg: StudentDataBenchConfig, work_dir: str | os.PathLike, tokenizer, dat
         "np.asarray, all callers (offset lists, row values)": ("~", "<built-in method numpy.asarray>"),
         "align (align_documents)": ("pipeline/method/alignment.py", "align_documents"),
         "read rows (ShardReader.row)": ("storage_schemas/reader.py", "row"),
-        "_encode (read + tokenize + align + per-document arrays)": ("pipeline/student_data/student_side.py", "_encode"),
-        "__getitems__ (everything but collation)": ("pipeline/student_data/student_side.py", "__getitems__"),
+        "_encode (read + tokenize + align + per-document arrays)": ("pipeline/student_data/dataset.py", "_encode"),
+        "__getitems__ (everything but collation)": ("pipeline/student_data/dataset.py", "__getitems__"),
     })
     sides = {"tokenize": tokenize, "pipeline": pipeline}
     if cfg.cold:

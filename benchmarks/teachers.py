@@ -5,7 +5,7 @@ writer, as two teachers' folders over the same documents: ``bench-a`` (the losse
 ``bench-b`` (each document's losses reversed, so the teachers disagree). With the real student
 tokenizer, single-threaded and compared by process CPU time, interleaved:
 
-* ``one``: every packed sample of the one-teacher :class:`pipeline.student_data.student_side.PackedDataset`
+* ``one``: every packed sample of the one-teacher :class:`pipeline.student_data.dataset.PackedDataset`
   (``bench-a`` alone) read through a ``DataLoader`` in batches of ``batch_size`` samples, the plan
   built beforehand (the steady state of training);
 * ``two``: the same with both teachers: each document is read and aligned once per teacher and
@@ -78,7 +78,9 @@ def write_teacher(source, shards, folder: Path, name: str, reverse: bool) -> Pat
 def run(cfg: TeachersBenchConfig, work_dir: str | os.PathLike, tokenizer, dataset: str | os.PathLike) -> dict:
     """``dataset``: a complete stage-1 output folder, whose first ``max_shards`` shards become the two teachers."""
     from pipeline.student_data.several_teachers import open_teachers
-    from pipeline.student_data.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data
+    from pipeline.student_data.build import build_student_data
+    from pipeline.student_data.dataset import PackedDataset
+    from pipeline.student_data.settings import AlignmentConfig, PackingConfig
     from storage_schemas.reader import open_scored_dataset
 
     source = open_scored_dataset([str(dataset)])

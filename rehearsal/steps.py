@@ -2,7 +2,7 @@
 (``python -m rehearsal.steps <step> <json arguments>``; the result is the last line, ``RESULT <json>``):
 
 * ``corpus``: :func:`rehearsal.corpus.build_corpus` of a fraction;
-* ``count``: stage 2's first count of student tokens (:func:`pipeline.student_data.student_side.measure_documents`,
+* ``count``: stage 2's first count of student tokens (:func:`pipeline.student_data.lengths.measure_documents`,
   the pass rank 0 runs before training) with ``data.length_workers`` processes, into the length
   cache the training run then finds.
 """
@@ -23,7 +23,7 @@ def corpus(args: dict) -> dict:
 
 
 def count(args: dict) -> dict:
-    from pipeline.student_data.student_side import measure_documents
+    from pipeline.student_data.lengths import measure_documents
     from pipeline.method.tokenization import load_tokenizer
     from storage_schemas.reader import open_scored_dataset
 

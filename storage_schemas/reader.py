@@ -493,7 +493,7 @@ class ShardReader:
 
     One reader per process: data-loader workers each build their own on first use. Documents are
     read in an order that stays inside one shard for long stretches (see
-    :mod:`pipeline.student_data.student_side`), so a handful of cached row groups serve almost every request.
+    :mod:`pipeline.student_data.packing`), so a handful of cached row groups serve almost every request.
     A cached row group keeps its list columns as flat NumPy arrays, so a row's lists are slices
     (views) of them.
     """

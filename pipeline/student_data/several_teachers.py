@@ -16,7 +16,7 @@ teachers' documents by ``doc_id`` and text, and combine their aligned losses per
   ``mean`` or ``weighted`` (a weighted mean). A token is unmapped only when no teacher maps it;
   the means run over the teachers that map it.
 
-Shared by stage 2 and the export (:mod:`pipeline.student_data.student_side` aligns and combines with these);
+Shared by stage 2 and the export (:mod:`pipeline.student_data.dataset` aligns and combines with these);
 what the trainer measures per teacher is in :mod:`pipeline.train_student.several_teachers`.
 """
 

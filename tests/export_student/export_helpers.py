@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.export_student.config import DataConfig, ExportConfig, ExportJobConfig, StudentConfig
-from pipeline.student_data.student_side import AlignmentConfig
+from pipeline.student_data.settings import AlignmentConfig
 
 NAN = float("nan")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.student_data.student_side import measure_documents
+from pipeline.student_data.lengths import measure_documents
 from pipeline.method.tokenization import load_tokenizer
 from storage_schemas.reader import open_scored_dataset
 

@@ -4,7 +4,7 @@ CPU, one process each) against one process with the same global batch.
 What each process reads is recorded by a ``sitecustomize`` module that the test puts first on the
 launchers' ``PYTHONPATH`` (test-only instrumentation; the code under test is unchanged): it wraps
 ``storage_schemas.reader.read_row_group`` (every row group decoded, with its columns),
-``pipeline.student_data.student_side.count_tokens`` (the token count) and ``PackedDataset.__getitems__``
+``pipeline.student_data.lengths.count_tokens`` (the token count) and ``PackedDataset.__getitems__``
 (the samples a rank's data-loader workers are asked for), and appends one JSON line per call,
 tagged with the process's global rank and launcher, to a per-process file.
 """
@@ -46,14 +46,15 @@ SITECUSTOMIZE = '''
 import json, os
 if os.environ.get("READ_LOG_DIR"):
     import storage_schemas.reader as reader
-    import pipeline.student_data.student_side as data
+    import pipeline.student_data.dataset as dataset
+    import pipeline.student_data.lengths as lengths
 
     def _log(**record):
         record.update(pid=os.getpid(), rank=int(os.environ.get("RANK", "-1")), node=os.environ.get("NODE_TAG"))
         with open(os.path.join(os.environ["READ_LOG_DIR"], f"{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\\n")
 
-    _read, _count, _items = reader.read_row_group, data.count_tokens, data.PackedDataset.__getitems__
+    _read, _count, _items = reader.read_row_group, lengths.count_tokens, dataset.PackedDataset.__getitems__
 
     def read_row_group(shard, group, columns=None):
         _log(what="row_group", shard=os.path.basename(str(shard.path)), group=group,
@@ -68,8 +69,8 @@ if os.environ.get("READ_LOG_DIR"):
         _log(what="samples", indices=[int(k) for k in indices])
         return _items(self, indices)
 
-    reader.read_row_group = data.read_row_group = read_row_group
-    data.count_tokens, data.PackedDataset.__getitems__ = count_tokens, getitems
+    reader.read_row_group = lengths.read_row_group = read_row_group
+    lengths.count_tokens, dataset.PackedDataset.__getitems__ = count_tokens, getitems
 '''
 
 
@@ -199,7 +200,8 @@ def needed_row_groups(scored: Path, student: Path, samples: set[int]) -> set[tup
     """(shard file, row group) of every document the given samples take tokens from, from the
     packing plan that an independent build of the same data gives."""
     from pipeline.method.tokenization import load_tokenizer
-    from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+    from pipeline.student_data.build import build_student_data
+    from pipeline.student_data.settings import AlignmentConfig, PackingConfig
     from storage_schemas.reader import open_scored_dataset
 
     data = build_student_data(open_scored_dataset([scored]), load_tokenizer(str(student)),
@@ -303,7 +305,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.student_data.student_side import _on_rank_zero
+from pipeline.student_data.lengths import _on_rank_zero
 from storage_schemas.reader import BadShardError
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]

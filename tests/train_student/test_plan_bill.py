@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from pipeline.student_data.held_out_shards import hold_out
-from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+from pipeline.student_data.build import build_student_data
+from pipeline.student_data.settings import AlignmentConfig, PackingConfig
 from pipeline.method.tokenization import load_tokenizer
 from storage_schemas.reader import open_scored_dataset
 

@@ -14,13 +14,10 @@ import torch
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
 from storage_schemas.reader import BadShardError, open_scored_dataset
-from pipeline.student_data.student_side import (
-    AlignmentConfig,
-    PackingConfig,
-    build_student_data,
-    collate_packed,
-    document_order,
-)
+from pipeline.student_data.build import build_student_data
+from pipeline.student_data.dataset import collate_packed
+from pipeline.student_data.packing import document_order
+from pipeline.student_data.settings import AlignmentConfig, PackingConfig
 from pipeline.method.tokenization import TokenizerError, bos_token_id, encode, fingerprint, load_tokenizer
 
 SEQ = 64
@@ -195,7 +192,7 @@ def test_packing_plan_hand_worked():
     """Documents of 3, 0, 2 and 5 student tokens in file order, BOS and EOS: stream lengths 5, -, 4,
     7 (the empty one left out), 16 tokens; with seq_len 5 a sample needs 6 tokens, so samples start
     at 0, 5, 10 and the third needs tokens 10..15: 3 samples. 15 tokens would give only 2."""
-    from pipeline.student_data.student_side import build_plan
+    from pipeline.student_data.packing import build_plan
 
     lengths = [np.array([3, 0], np.int32), np.array([2, 5], np.int32)]
     plan = build_plan(lengths, PackingConfig(seq_len=5, shuffle=False), add_bos=True)
@@ -252,8 +249,8 @@ def test_samples_do_not_depend_on_batching_read_ahead_or_order(scored, student, 
     """A sample is the same read alone in reverse order (no read-ahead), in sequential data-loader
     batches (read-ahead, documents tokenized many per call), in random batches, and with a budget
     so small that the cache keeps evicting; the cache stays within its bound."""
-    from pipeline.student_data import student_side as student_data
-    from pipeline.student_data.student_side import PackedDataset
+    from pipeline.student_data import dataset as student_data
+    from pipeline.student_data.dataset import PackedDataset
 
     data = data_for(scored, student)
     n = len(data.dataset)
@@ -296,7 +293,7 @@ def test_token_counts_are_cached(scored, student, tmp_path, monkeypatch):
     def no_tokenization(job):
         raise AssertionError("counts should come from the cache")
 
-    monkeypatch.setattr("pipeline.student_data.student_side._count_shard", no_tokenization)
+    monkeypatch.setattr("pipeline.student_data.lengths._count_shard", no_tokenization)
     second = data_for(scored, student, tmp_path)
     np.testing.assert_array_equal(first.plan.doc_end, second.plan.doc_end)
 
