@@ -68,7 +68,7 @@ def run(cfg: ExportDataBenchConfig, work_dir: str | os.PathLike, tokenizer_dir: 
     from pipeline.export_student.job import run_export
     from pipeline.student_data.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
     from pipeline.train_student.from_export import ExportDataset, open_export_data
-    from pipeline.train_student.run import DataConfig
+    from pipeline.train_student.config import DataConfig
     from storage_schemas.reader import open_scored_dataset
 
     work = Path(work_dir) / "export_data"

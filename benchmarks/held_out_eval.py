@@ -143,7 +143,8 @@ def measure_speed(cfg: HeldOutEvalBenchConfig, student: Path, texts: list[str], 
 
 def measure_cost(cfg: HeldOutEvalBenchConfig, recipe: dict, student: Path, texts: list[str],
                  dataset: str | os.PathLike, work: Path) -> dict:
-    from pipeline.train_student.run import run_training, train_job_config
+    from pipeline.train_student.config import train_job_config
+    from pipeline.train_student.run import run_training
 
     held = work / "held-out.jsonl"
     held.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")

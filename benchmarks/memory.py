@@ -202,16 +202,17 @@ def _student_data(a: dict) -> dict:
 
 
 def _train(a: dict) -> dict:
+    from pipeline.train_student import config as c
     from pipeline.train_student import run as t
 
     def build(cls, **values):  # only the fields this version of the config has
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
 
-    job = t.TrainJobConfig(
-        student=build(t.StudentConfig, name="bench-memory", model=a["model"], seq_len=a["seq_len"]),
-        data=build(t.DataConfig, folders=[a["scored"]], cache_dir=None, num_workers=0),
-        train=build(t.TrainConfig, micro_batch_size=2, max_steps=a["steps"], logging_steps=1, save_steps=10**6,
+    job = c.TrainJobConfig(
+        student=build(c.StudentConfig, name="bench-memory", model=a["model"], seq_len=a["seq_len"]),
+        data=build(c.DataConfig, folders=[a["scored"]], cache_dir=None, num_workers=0),
+        train=build(c.TrainConfig, micro_batch_size=2, max_steps=a["steps"], logging_steps=1, save_steps=10**6,
                     report_to=[], use_cpu=True, progress=False, warmup_steps=0, learning_rate=1e-4,
                     min_learning_rate=1e-5, cpu_threads=2),
         output_dir=a["out"], overwrite=True,

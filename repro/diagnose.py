@@ -233,7 +233,8 @@ def diagnosis_batches_of(job, tokenizer, n_batches: int) -> tuple[list[dict[str,
 
 
 def _batches(job, tokenizer, n_batches: int):
-    from pipeline.train_student.run import batch_geometry, prepare_data
+    from pipeline.train_student.config import batch_geometry
+    from pipeline.train_student.data import prepare_data
 
     data = prepare_data(job, tokenizer)
     accumulation, _ = batch_geometry(job, 1)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
-from pipeline.train_student.run import TrainJobConfig
+from pipeline.train_student.config import TrainJobConfig
 
 log = logging.getLogger(__name__)
 RESULT = "repro_result.json"

@@ -69,7 +69,8 @@ class Threads(TrainerCallback):
 def test_stage2_trains_with_at_most_its_share_of_the_cores(tiny_student, micro_scored, tmp_path, monkeypatch,
                                                           local_processes):
     """train.cpu_threads=64 asks for more than any core count here; a data-parallel process gets its share."""
-    from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training
+    from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+    from pipeline.train_student.run import run_training
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_processes))
     job = TrainJobConfig(

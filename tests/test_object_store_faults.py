@@ -48,7 +48,8 @@ def job(a: dict):
             scorer=ScorerConfig(max_batch_tokens=2048), output_dir=a["out"], ray=RayConfig(num_cpus=2),
             pool=PoolConfig(num_actors=1, num_cpus=1), progress=False, manifest_every_s=0.0)
     if a["stage"] == "train":
-        from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training
+        from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+        from pipeline.train_student.run import run_training
         return run_training, TrainJobConfig(
             student=StudentConfig(name="t", model=a["student"], seq_len=32),
             data=DataConfig(folders=[a["scored"]], cache_dir=a["cache"], num_workers=a["workers"]),

@@ -31,7 +31,8 @@ from pipeline.student_data.held_out_shards import hold_out
 from pipeline.student_data.several_teachers import group_folders
 from pipeline.student_data.student_side import count_tokens, sample_documents_of
 from pipeline.method.tokenization import bos_token_id, fingerprint, load_tokenizer
-from pipeline.train_student.run import TrainJobConfig, _cpu_threads, _on_gpu, _precision, batch_geometry, load_student
+from pipeline.train_student.config import TrainJobConfig, batch_geometry
+from pipeline.train_student.run import _cpu_threads, _on_gpu, _precision, load_student
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset, read_row_group
 

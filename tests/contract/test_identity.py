@@ -184,14 +184,9 @@ def test_a_folder_of_another_identity_format_is_refused_and_kept(moved_micro, ra
 def test_training_resumes_after_the_project_folder_moves(micro_scored, micro_teacher, micro_corpus, ray_local, tmp_path):
     from pipeline.embedded.sample_corpus import clean_texts
     from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
-    from pipeline.train_student.run import (
-        DataConfig,
-        RunMismatchError,
-        StudentConfig,
-        TrainConfig,
-        TrainJobConfig,
-        run_training,
-    )
+    from pipeline.train_student.checkpoints import RunMismatchError
+    from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+    from pipeline.train_student.run import run_training
 
     def job(place: Path, steps: int = 2) -> TrainJobConfig:
         train = TrainConfig(micro_batch_size=4, gradient_accumulation_steps=1, max_steps=steps, warmup_steps=1,

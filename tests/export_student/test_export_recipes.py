@@ -34,7 +34,7 @@ def recipe(name: str) -> dict:
 
 
 def stage2_job(student, scored, out, steps):
-    from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+    from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
 
     return TrainJobConfig(
         student=StudentConfig(name="t", model=str(student), seq_len=32),

@@ -159,7 +159,8 @@ def test_stage2_trains_from_the_s3_dataset_as_from_the_local_one(s3_scored, micr
     from pipeline.embedded.sample_corpus import clean_texts
     from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student
     from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
-    from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training
+    from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+    from pipeline.train_student.run import run_training
     from stages.train_student import job_config
 
     root, out, _, _ = s3_scored

@@ -103,7 +103,8 @@ def test_a_rerun_scores_nothing_keeps_a_current_card_and_a_second_run_writes_the
 
 
 def test_stage2_refuses_rehearsal_scores_unless_told(rehearsal_scored, tiny_student, tmp_path):
-    from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training
+    from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+    from pipeline.train_student.run import run_training
 
     job = TrainJobConfig(
         student=StudentConfig(name="t", model=str(tiny_student), seq_len=32),

@@ -16,7 +16,8 @@ import torch
 from storage_schemas.reader import BadShardError, ShardReader, open_scored_dataset
 from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
 from pipeline.method.tokenization import load_tokenizer
-from pipeline.train_student.run import StudentConfig, load_student
+from pipeline.train_student.config import StudentConfig
+from pipeline.train_student.run import load_student
 from storage_schemas import file_sha256, read_manifest
 from test_train_student import compose
 

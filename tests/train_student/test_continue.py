@@ -25,7 +25,8 @@ import pipeline.train_student.run as run_module
 from pipeline.runtime.config import ConfigError, MissingPathError
 from pipeline.student_data.student_side import collate_packed
 from pipeline.train_student.checkpoints import RunMismatchError
-from pipeline.train_student.run import TrainJobConfig, run_training, validate
+from pipeline.train_student.config import TrainJobConfig, validate
+from pipeline.train_student.run import run_training
 from storage_schemas import file_sha256
 from tests.train_student.test_train_student import make_job, metrics
 

@@ -22,7 +22,8 @@ from transformers import TrainerCallback
 
 from pipeline.train_student.checkpoints import COMPLETE_NAME
 from pipeline.train_student.trainer import NonFiniteLossError
-from pipeline.train_student.run import RunMismatchError, run_training
+from pipeline.train_student.checkpoints import RunMismatchError
+from pipeline.train_student.run import run_training
 from test_train_student import make_job, metrics
 
 REPO = Path(__file__).resolve().parents[2]

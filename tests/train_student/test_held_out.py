@@ -24,7 +24,8 @@ from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
 from pipeline.method.tokenization import encode_batch, load_tokenizer
 from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME, RunMismatchError
-from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training
+from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+from pipeline.train_student.run import run_training
 from storage_schemas.reader import ScoredDocument
 
 REPO = Path(__file__).resolve().parents[2]

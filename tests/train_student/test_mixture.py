@@ -24,15 +24,10 @@ from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
 from pipeline.method.tokenization import encode_batch, load_tokenizer
 from pipeline.train_student.mixture import BLOCK, TAG, MixtureCorpus, MixtureOrder
-from pipeline.train_student.run import (
-    DataConfig,
-    RunMismatchError,
-    StudentConfig,
-    TrainConfig,
-    TrainJobConfig,
-    prepare_data,
-    run_training,
-)
+from pipeline.train_student.checkpoints import RunMismatchError
+from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+from pipeline.train_student.data import prepare_data
+from pipeline.train_student.run import run_training
 from stages.train_student import print_summary
 from storage_schemas.reader import ScoredDocument
 from test_train_student import CrashAt, metrics
@@ -337,7 +332,7 @@ def test_mixture_settings_are_checked_together(tmp_path):
                      "data.mixture[2].epochs: 0 must be >= 1"):
         assert any(p.startswith(expected) for p in problems), (expected, problems)
     # a job built in code is checked the same way before any work
-    from pipeline.train_student.run import validate
+    from pipeline.train_student.config import validate
     job = make_job(Path("s"), tmp_path / "run", [MixtureCorpus("a", 0.0, folders=["x"]), MixtureCorpus("a", 1.0)])
     assert validate(job) == [
         "data.mixture[0].weight: 0.0 must be a finite number > 0",

@@ -406,7 +406,7 @@ def test_two_teacher_run_resumes_exactly_and_refuses_another_combination(tiny_st
     assert 0 < a[-1]["decided_t0"] < 1 and 0 < a[-1]["selection_jaccard_t0_t1"] < 1  # teachers that differ
     identity = json.loads((Path(interrupted.output_dir) / "checkpoint-4" / "data_identity.json").read_text())
     assert [t["teacher"]["teacher"]["name"] for t in identity["teachers"]] == ["micro", "micro-b"]
-    from pipeline.train_student.run import RunMismatchError
+    from pipeline.train_student.checkpoints import RunMismatchError
 
     with pytest.raises(RunMismatchError, match=r"data combine.how: 'mean' != 'max'"):
         run_training(replace(interrupted, alignment=replace(interrupted.alignment, combine="max"),

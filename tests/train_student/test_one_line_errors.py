@@ -19,7 +19,8 @@ from pipeline.runtime.config import ConfigError
 from pipeline.export_student.config import export_job_config
 from pipeline.student_data.student_side import AlignmentConfig, resolve_alignment
 from pipeline.method.tokenization import load_tokenizer
-from pipeline.train_student.run import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, run_training, train_job_config
+from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, train_job_config
+from pipeline.train_student.run import run_training
 
 REPO = Path(__file__).resolve().parents[2]
 

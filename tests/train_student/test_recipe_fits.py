@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train_student.run import run_training, validate
+from pipeline.train_student.config import validate
+from pipeline.train_student.run import run_training
 from test_train_student import compose, make_job
 
 

@@ -17,7 +17,9 @@ import pytest
 from transformers import TrainerCallback
 
 from pipeline.runtime.config import ConfigError
-from pipeline.train_student.run import RunMismatchError, run_training, train_job_config
+from pipeline.train_student.checkpoints import RunMismatchError
+from pipeline.train_student.config import train_job_config
+from pipeline.train_student.run import run_training
 from test_train_student import make_job, metrics
 
 REPO = Path(__file__).resolve().parents[2]

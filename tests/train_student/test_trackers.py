@@ -24,7 +24,8 @@ import pytest
 from pipeline.runtime.config import ConfigError
 from pipeline.student_data.student_side import AlignmentConfig
 from pipeline.train_student.mixture import MixtureCorpus
-from pipeline.train_student.run import TrainConfig, run_training
+from pipeline.train_student.config import TrainConfig
+from pipeline.train_student.run import run_training
 from pipeline.train_student.trackers import MLFLOW_FILE_STORE
 from test_multi_teacher import rewrite
 from test_one_line_errors import REPO, cli, refused
@@ -132,7 +133,7 @@ def test_wandb_offline_run_receives_every_logged_figure(tiny_student, micro_scor
 
 def test_unknown_or_missing_trackers_are_named_before_any_work(monkeypatch):
     from pipeline.train_student import trackers
-    from pipeline.train_student.run import train_job_config
+    from pipeline.train_student.config import train_job_config
 
     assert TrainConfig(report_to=["none"]).problems() == [] and TrainConfig(report_to=[]).problems() == []
     assert TrainConfig(report_to=["all", "wandb"]).problems() == [

@@ -15,14 +15,9 @@ from transformers import TrainerCallback
 from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
 from pipeline.student_data.student_side import AlignmentConfig
 from pipeline.method.guided_loss import SelectionConfig
-from pipeline.train_student.run import (
-    DataConfig,
-    RunMismatchError,
-    StudentConfig,
-    TrainConfig,
-    TrainJobConfig,
-    run_training,
-)
+from pipeline.train_student.checkpoints import RunMismatchError
+from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+from pipeline.train_student.run import run_training
 from storage_schemas import file_sha256
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,7 +218,7 @@ def compose(overrides: list[str]):
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")))
 def test_paper_experiments_pin_the_recipe(experiment):
-    from pipeline.train_student.run import batch_geometry
+    from pipeline.train_student.config import batch_geometry
     from stages.train_student import job_config
 
     job = job_config(compose([f"experiment={experiment}"]))
