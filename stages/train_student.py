@@ -23,9 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
-from pipeline.train_student.mixture import run_corpus_name
 from pipeline.train_student.plan import TrainPlan, measure_decision, measure_steps, plan_training
-from pipeline.train_student.config import TrainJobConfig, check_student_source, config_defaults, train_job_config
+from pipeline.train_student.config import (
+    TrainJobConfig,
+    check_student_source,
+    config_defaults,
+    run_corpus_name,
+    train_job_config,
+)
 from pipeline.train_student.run import TrainSummary, run_training
 from stages.common import (
     ConfigError,

@@ -96,6 +96,9 @@ MISTYPED = [
      "error: nonsense_key: unknown key (known: artifacts_dir, data, limit_shards, output_dir, output_root, overwrite, "
      "plan, plan_measure, plan_tokens_per_s, pool, progress, ray, scorer, storage, teacher)"),
     ("convert_teacher", ["nonsense_key=1"], "error: nonsense_key: unknown key (known: artifacts_dir, out_dir, teacher)"),
+    ("eval_student", ["checkpoint=org/model", "data_dir={tmp}", "nonsense_key=1"],  # {tmp} holds an empty gsm8k.jsonl
+     "error: nonsense_key: unknown key (known: bits_per_byte, checkpoint, data_dir, data_files, eval_root, fewshot_dir, "
+     "fewshot_files, fewshot_source, generation, label, limit, num_fewshot, out_dir, overwrite, progress, revision, tasks)"),
     ("inspect", ["command=summary", "path=.", "hmtl=1"],
      "error: hmtl: unknown key; did you mean html? (known: align, command, compare, doc, html, other, out_dir, path, "
      "progress, student, summary, teacher, two_teachers, validate)"),
@@ -108,6 +111,8 @@ def test_a_mistyped_key_comes_back_without_importing_the_heavy_libraries(stage, 
     or Polars (inspect: Polars is its reader) imported by then (``python -X importtime`` lists every module imported; the stages'
     modules import them in the functions that use them, after the config check). Speed itself is
     measured, not asserted (benchmarks)."""
+    (tmp_path / "gsm8k.jsonl").write_text("")  # a task file for eval-student, whose check wants one
+    args = [a.format(tmp=tmp_path) for a in args]
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", f"stages.{stage}", *args,
                              f"hydra.run.dir={tmp_path / 'logs'}"], cwd=REPO, capture_output=True,
                             text=True, timeout=300, env={**os.environ, "VOCAGNO_TRACEBACK": ""})

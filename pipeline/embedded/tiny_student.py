@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
 from tokenizers import (
     Tokenizer,
     decoders,
@@ -44,7 +43,6 @@ from tokenizers import (
     processors,
     trainers,
 )
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from pipeline.embedded import ensure_sample_corpus
 from pipeline.embedded.model_shape import ModelShape
@@ -84,6 +82,7 @@ def alphabet(texts: Sequence[str], pre_tokenizer, limit: int) -> list[str]:
 
 def train_student_tokenizer(texts: Sequence[str], vocab_size: int, limit_alphabet: int = 150):
     """A SentencePiece-style BPE ``PreTrainedTokenizerFast`` with byte fallback (module docstring)."""
+    from transformers import PreTrainedTokenizerFast  # lazy: seconds to import; a config error is refused first
 
     texts = list(texts)  # read twice: the alphabet, then the trainer
     n_learned = vocab_size - len(BYTE_PIECES)
@@ -152,6 +151,8 @@ def build_tiny_student(texts: Sequence[str], out_dir: str | os.PathLike, spec: T
 def new_student_model(tokenizer, shape: ModelShape, seed: int):
     """A randomly initialised (``torch.manual_seed(seed)``) Llama of ``shape``'s sizes for ``tokenizer``,
     embeddings tied."""
+    import torch  # lazy: seconds to import; a config error is refused first
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: seconds to import; a config error is refused first
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,

@@ -31,9 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
-import torch.nn.functional as F
-
 from pipeline.runtime.config import UserError
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset
@@ -79,6 +76,9 @@ def default_window(model) -> int:
 
 def text_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch_size: int = 16) -> list[TextLoss]:
     """Per text: summed next-token loss in nats, UTF-8 bytes, tokens (module docstring)."""
+    import torch  # lazy: seconds to import; a config error is refused first
+    import torch.nn.functional as F  # lazy: seconds to import; a config error is refused first
+
     if window < 1 or batch_size < 1:
         raise ValueError(f"window ({window}) and batch_size ({batch_size}) must be >= 1")
     first = first_token(tokenizer)

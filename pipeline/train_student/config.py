@@ -17,15 +17,18 @@ student's weights load with ``use_safetensors=True`` and remote code runs only w
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from pipeline.folders.model_source import TeacherSourceError, check_tokenizer_source, local_model_problem
 from pipeline.folders.output_folder import overlap_problem
 from pipeline.method.bits_per_byte import TEXT_SUFFIXES
-from pipeline.method.guided_loss import SelectionConfig
+from pipeline.method.selection import SelectionConfig
 from pipeline.runtime.config import (
     ConfigError,
     build,
@@ -37,16 +40,19 @@ from pipeline.runtime.config import (
 )
 from pipeline.student_data.several_teachers import MISSING_RULES
 from pipeline.student_data.student_side import AlignmentConfig, scored_folder_problems
-from pipeline.train_student.continuation import CONTINUE_NEEDS_WSD, continuation_problems
-from pipeline.train_student.mixture import MixtureCorpus, mixture_problems, recipe_of
-from pipeline.train_student.schedule import SCHEDULES
 from pipeline.train_student.trackers import tracker_problems
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
+SCHEDULES = ("cosine", "wsd")  # the learning-rate schedules (pipeline.train_student.schedule)
+# Why a cosine run cannot be continued (train.continue_from, pipeline.train_student.continuation)
+CONTINUE_NEEDS_WSD = (
+    "the cosine schedule's learning rate at every step depends on the run's total length, so no continuation "
+    "of a cosine run equals one longer run; train with train.lr_scheduler=wsd to be able to continue, or start "
+    "a new run from the model in <run>/final (docs/configuration.md, \"Training longer\")"
+)
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,62 @@ def source_problems(d: DataConfig) -> list[str]:
         if d.export:
             found.append("export: give an export inside data.mixture (data.mixture[i].export), not beside it")
     return found
+
+
+CORPUS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a corpus name appears in metric names
+
+
+@dataclass(frozen=True)
+class MixtureCorpus:
+    """One corpus of ``data.mixture``: its scored folders (one teacher or several, as ``data.folders``)
+    or an export of them, its sampling weight, and the most passes over it the run may take."""
+
+    name: str
+    weight: float
+    folders: list[str] = field(default_factory=list)
+    export: str | None = None  # a make export-student folder instead of folders
+    epochs: int | None = None  # passes over this corpus at most; None: data.epochs
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        if not isinstance(self.name, str) or not CORPUS_NAME.fullmatch(self.name):
+            found.append(f"name: {self.name!r} must be letters, digits, '_', '.' or '-' (it names the corpus's metrics)")
+        if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight > 0):
+            found.append(f"weight: {self.weight!r} must be a finite number > 0")
+        if bool(self.folders) == bool(self.export):
+            found.append("folders: give the corpus's scored folders or its export (data.mixture[...].export), one of them")
+        check_at_least(found, "epochs", self.epochs, 1)
+        return found
+
+
+def mixture_problems(mixture: Sequence[MixtureCorpus]) -> list[str]:
+    """What is wrong with each corpus (``mixture[i].<key>: ...``) and with the list as a whole."""
+    found = [f"mixture[{i}].{line}" for i, corpus in enumerate(mixture) for line in corpus.problems()]
+    names = [c.name for c in mixture]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    return found + ([f"mixture: corpus name(s) {', '.join(twice)} used twice; name each corpus once"] if twice else [])
+
+
+def run_corpus_name(corpus: str, names: Sequence[str] | None) -> str:
+    """The corpus part of a run's default folder (``<student_root>/<corpus>/<run_name>``): a mixture's
+    is ``mixture-`` and its corpora's names joined by ``+`` in their order (``mixture-math+web``;
+    beyond 100 characters, their number and a digest of the names), any other run's ``data.corpus``."""
+    if not names:
+        return corpus
+    joined = "+".join(names)
+    if len(joined) <= 100:
+        return f"mixture-{joined}"
+    return f"mixture-{len(names)}-corpora-{hashlib.sha256(joined.encode()).hexdigest()[:8]}"
+
+
+def recipe_of(mixture: Sequence[MixtureCorpus] | None) -> dict | None:
+    """The mixture as a run's recipe records it: the order of the corpora and each one's weight and
+    passes, keyed by name, so that a changed weight is named (``data.mixture.corpora.web.weight``).
+    Where the corpora are is left out: the data identity pins what they hold."""
+    if not mixture:
+        return None
+    return {"order": [c.name for c in mixture],
+            "corpora": {c.name: {"weight": float(c.weight), "epochs": c.epochs} for c in mixture}}
 
 
 @dataclass(frozen=True)
@@ -379,6 +441,19 @@ def _export_missing(folder, key: str) -> list[str]:
     if isinstance(folder, str) and folder and not sfs.is_dir(folder):
         return [f"{key}: export folder not found: {folder} (write it first: make export-student with the run's "
                 "student and data settings)"]
+    return []
+
+
+def continuation_problems(continue_from: str | None, output_dir: str) -> list[str]:
+    """What is wrong with ``train.continue_from`` before anything is read: a folder that does not
+    exist, or the run's own folder."""
+    if not isinstance(continue_from, str):
+        return []
+    if not Path(continue_from).is_dir():
+        return [f"train.continue_from: no such run folder: {continue_from}"]
+    if Path(continue_from).resolve() == Path(output_dir).resolve():
+        return [f"train.continue_from: {continue_from} is this run's own folder; a continuation is a new run: give it "
+                "another run_name (or output_dir)"]
     return []
 
 

@@ -34,30 +34,13 @@ from pipeline.train_student.checkpoints import (
     is_complete_checkpoint,
     resume_differences,
 )
+from pipeline.train_student.config import CONTINUE_NEEDS_WSD
 from pipeline.train_student.schedule import stable_end
 from storage_schemas import write_json_atomic
 
 CONTINUED_NAME = "continued_from.json"
-CONTINUE_NEEDS_WSD = (
-    "the cosine schedule's learning rate at every step depends on the run's total length, so no continuation "
-    "of a cosine run equals one longer run; train with train.lr_scheduler=wsd to be able to continue, or start "
-    "a new run from the model in <run>/final (docs/configuration.md, \"Training longer\")"
-)
 # Recipe keys a continuation may change: the length, and the decay at its new end.
 MAY_CHANGE = ("train.max_steps", "train.max_tokens", "train.lr_decay_share", "train.lr_decay_steps")
-
-
-def continuation_problems(continue_from: str | None, output_dir: str) -> list[str]:
-    """What is wrong with ``train.continue_from`` before anything is read: a folder that does not
-    exist, or the run's own folder."""
-    if not isinstance(continue_from, str):
-        return []
-    if not Path(continue_from).is_dir():
-        return [f"train.continue_from: no such run folder: {continue_from}"]
-    if Path(continue_from).resolve() == Path(output_dir).resolve():
-        return [f"train.continue_from: {continue_from} is this run's own folder; a continuation is a new run: give it "
-                "another run_name (or output_dir)"]
-    return []
 
 
 def continuation_checkpoint(job, identity: dict, student: dict | None, steps: int) -> str:

@@ -1,5 +1,6 @@
 """Data mixtures: several corpora drawn into one training stream at set proportions
-(``data.mixture``; docs/configuration.md, "Data mixtures").
+(``data.mixture``, each corpus a :class:`pipeline.train_student.config.MixtureCorpus`;
+docs/configuration.md, "Data mixtures").
 
 Each corpus is a stream of its own: its scored folders (one teacher or several) packed and aligned
 as a single-corpus run would pack them (:func:`pipeline.student_data.student_side.build_student_data`, its own
@@ -31,79 +32,19 @@ the passes it would need.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import re
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from pipeline.runtime.config import ConfigError, check_at_least
+from pipeline.runtime.config import ConfigError
 
 BLOCK = 64  # samples per block of the mixture's order (module docstring, step 2)
 TAG = 0x6D6978  # "mix": keeps the block permutations apart from every other use of the seed
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a corpus name appears in metric names
 RULE = f"sainte-lague-blocks-{BLOCK}"  # the order's definition, recorded in the run's data identity
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-
-
-@dataclass(frozen=True)
-class MixtureCorpus:
-    """One corpus of ``data.mixture``: its scored folders (one teacher or several, as ``data.folders``)
-    or an export of them, its sampling weight, and the most passes over it the run may take."""
-
-    name: str
-    weight: float
-    folders: list[str] = field(default_factory=list)
-    export: str | None = None  # a make export-student folder instead of folders
-    epochs: int | None = None  # passes over this corpus at most; None: data.epochs
-
-    def problems(self) -> list[str]:
-        found: list[str] = []
-        if not isinstance(self.name, str) or not NAME.fullmatch(self.name):
-            found.append(f"name: {self.name!r} must be letters, digits, '_', '.' or '-' (it names the corpus's metrics)")
-        if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight > 0):
-            found.append(f"weight: {self.weight!r} must be a finite number > 0")
-        if bool(self.folders) == bool(self.export):
-            found.append("folders: give the corpus's scored folders or its export (data.mixture[...].export), one of them")
-        check_at_least(found, "epochs", self.epochs, 1)
-        return found
-
-
-def mixture_problems(mixture: Sequence[MixtureCorpus]) -> list[str]:
-    """What is wrong with each corpus (``mixture[i].<key>: ...``) and with the list as a whole."""
-    found = [f"mixture[{i}].{line}" for i, corpus in enumerate(mixture) for line in corpus.problems()]
-    names = [c.name for c in mixture]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    return found + ([f"mixture: corpus name(s) {', '.join(twice)} used twice; name each corpus once"] if twice else [])
-
-
-def run_corpus_name(corpus: str, names: Sequence[str] | None) -> str:
-    """The corpus part of a run's default folder (``<student_root>/<corpus>/<run_name>``): a mixture's
-    is ``mixture-`` and its corpora's names joined by ``+`` in their order (``mixture-math+web``;
-    beyond 100 characters, their number and a digest of the names), any other run's ``data.corpus``."""
-    if not names:
-        return corpus
-    joined = "+".join(names)
-    if len(joined) <= 100:
-        return f"mixture-{joined}"
-    return f"mixture-{len(names)}-corpora-{hashlib.sha256(joined.encode()).hexdigest()[:8]}"
-
-
-def recipe_of(mixture: Sequence[MixtureCorpus] | None) -> dict | None:
-    """The mixture as a run's recipe records it: the order of the corpora and each one's weight and
-    passes, keyed by name, so that a changed weight is named (``data.mixture.corpora.web.weight``).
-    Where the corpora are is left out: the data identity pins what they hold."""
-    if not mixture:
-        return None
-    return {"order": [c.name for c in mixture],
-            "corpora": {c.name: {"weight": float(c.weight), "epochs": c.epochs} for c in mixture}}
 
 
 # --------------------------------------------------------------------------------------------

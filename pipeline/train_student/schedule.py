@@ -29,8 +29,6 @@ from pipeline.train_student.checkpoints import STABLE_NAME, checkpoint_step, is_
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("cosine", "wsd")
-
 
 def decay_steps(train, steps: int) -> int:
     """Steps of a ``wsd`` run's decay: ``train.lr_decay_steps``, else ``train.lr_decay_share`` of

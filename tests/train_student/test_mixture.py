@@ -23,9 +23,9 @@ from pipeline.runtime.config import ConfigError
 from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
 from pipeline.method.tokenization import encode_batch, load_tokenizer
-from pipeline.train_student.mixture import BLOCK, TAG, MixtureCorpus, MixtureOrder
+from pipeline.train_student.mixture import BLOCK, TAG, MixtureOrder
 from pipeline.train_student.checkpoints import RunMismatchError
-from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
+from pipeline.train_student.config import DataConfig, MixtureCorpus, StudentConfig, TrainConfig, TrainJobConfig
 from pipeline.train_student.data import prepare_data
 from pipeline.train_student.run import run_training
 from stages.train_student import print_summary

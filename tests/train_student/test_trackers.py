@@ -23,8 +23,7 @@ import pytest
 
 from pipeline.runtime.config import ConfigError
 from pipeline.student_data.student_side import AlignmentConfig
-from pipeline.train_student.mixture import MixtureCorpus
-from pipeline.train_student.config import TrainConfig
+from pipeline.train_student.config import MixtureCorpus, TrainConfig
 from pipeline.train_student.run import run_training
 from pipeline.train_student.trackers import MLFLOW_FILE_STORE
 from test_multi_teacher import rewrite

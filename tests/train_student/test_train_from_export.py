@@ -24,7 +24,7 @@ from pipeline.export_student.config import DataConfig, ExportConfig, ExportJobCo
 from pipeline.export_student.job import run_export
 from pipeline.student_data.student_side import AlignmentConfig
 from pipeline.train_student.from_export import ExportMismatchError
-from pipeline.train_student.mixture import MixtureCorpus
+from pipeline.train_student.config import MixtureCorpus
 from pipeline.train_student.run import run_training
 from pipeline.student_data.student_side import StudentDataError
 from stages.train_student import print_summary
