@@ -10,15 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
 from pipeline.export_student.config import ExportJobConfig, config_defaults, export_job_config
-from pipeline.export_student.job import ExportSummary, run_export
 from stages.common import entry_point, plain, quiet_libraries, store_row
 from stages.train_student import build_embedded
+
+if TYPE_CHECKING:  # the export's job imports torch: main imports it after the check
+    from pipeline.export_student.job import ExportSummary
 
 log = logging.getLogger("export_student")
 
@@ -52,6 +55,8 @@ def print_summary(s: ExportSummary) -> None:
 
 @entry_point("export_student", config_defaults(), check=job_config)
 def main(cfg: DictConfig) -> None:
+    from pipeline.export_student.job import run_export  # heavy: torch; after the check
+
     quiet_libraries()
     job = job_config(cfg, check_files=True)
     build_embedded(cfg)

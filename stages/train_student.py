@@ -5,7 +5,8 @@ build the embedded student if it is the one chosen, check that a hub student can
 (:mod:`pipeline.train_student.run`), print the summary. The defaults are the typed configs';
 ``conf/train_student.yaml`` only overrides them.
 Several processes (``torchrun`` / ``accelerate launch``) run the same steps; only the first writes
-the run folder and prints.
+the run folder and prints. The plan and the run (torch, transformers' Trainer) are imported in
+:func:`main`, after the check: a mistyped key is refused within seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 from hydra.utils import to_absolute_path
@@ -23,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
-from pipeline.train_student.plan import TrainPlan, measure_decision, measure_steps, plan_training
 from pipeline.train_student.config import (
     TrainJobConfig,
     check_student_source,
@@ -31,7 +32,6 @@ from pipeline.train_student.config import (
     run_corpus_name,
     train_job_config,
 )
-from pipeline.train_student.run import TrainSummary, run_training
 from stages.common import (
     ConfigError,
     duration,
@@ -45,6 +45,10 @@ from stages.common import (
 )
 from storage_schemas import write_json_atomic
 
+if TYPE_CHECKING:  # the plan and the run import torch and transformers: main imports them after the check
+    from pipeline.train_student.plan import TrainPlan
+    from pipeline.train_student.run import TrainSummary
+
 log = logging.getLogger("train_student")
 
 # ``${run_corpus:${data.corpus},${data.mixture}}`` in conf/train_student.yaml: the run folder's corpus part,
@@ -55,8 +59,9 @@ OmegaConf.register_new_resolver("run_corpus", lambda corpus, mixture: run_corpus
 
 def job_config(cfg: DictConfig, check_files: bool = False) -> TrainJobConfig:
     """The typed job; every problem in the config is reported at once (:func:`train_job_config`),
-    with ``check_files`` also missing scored folders and a missing local student."""
-    return with_problems(embedded_problems(cfg), lambda: train_job_config(plain(cfg), check_files=check_files))
+    with ``check_files`` also missing scored folders, a missing local student and trackers this machine lacks."""
+    return with_problems(embedded_problems(cfg), lambda: train_job_config(plain(cfg), check_files=check_files,
+                                                                           check_installed=check_files))
 
 
 def embedded_problems(cfg: DictConfig) -> list[str]:
@@ -169,6 +174,9 @@ def wall_time(p: TrainPlan, measured: dict | None, why: str) -> str:
 
 @entry_point("train_student", config_defaults(), check=job_config)
 def main(cfg: DictConfig) -> None:
+    from pipeline.train_student.plan import measure_decision, measure_steps, plan_training  # heavy: after the check
+    from pipeline.train_student.run import run_training  # heavy: torch, transformers' Trainer; after the check
+
     quiet_libraries()
     job = job_config(cfg, check_files=True)
     build_embedded(cfg)

@@ -99,6 +99,12 @@ MISTYPED = [
     ("eval_student", ["checkpoint=org/model", "data_dir={tmp}", "nonsense_key=1"],  # {tmp} holds an empty gsm8k.jsonl
      "error: nonsense_key: unknown key (known: bits_per_byte, checkpoint, data_dir, data_files, eval_root, fewshot_dir, "
      "fewshot_files, fewshot_source, generation, label, limit, num_fewshot, out_dir, overwrite, progress, revision, tasks)"),
+    ("train_student", ["nonsense_key=1"],
+     "error: nonsense_key: unknown key (known: artifacts_dir, data, loss, output_dir, overwrite, plan, plan_measure, "
+     "progress, run_name, scored_root, student, student_root, train)"),
+    ("export_student", ["nonsense_key=1"],
+     "error: nonsense_key: unknown key (known: artifacts_dir, data, export, export_root, loss, output_dir, overwrite, "
+     "progress, scored_root, student)"),
     ("inspect", ["command=summary", "path=.", "hmtl=1"],
      "error: hmtl: unknown key; did you mean html? (known: align, command, compare, doc, html, other, out_dir, path, "
      "progress, student, summary, teacher, two_teachers, validate)"),

@@ -17,7 +17,7 @@ from typing import Mapping
 from pipeline.runtime.config import build, check_at_least, check_choice, defaults, lift_progress, raise_if
 from pipeline.folders.model_source import local_model_problem, looks_local
 from pipeline.student_data.several_teachers import MISSING_RULES
-from pipeline.student_data.student_side import AlignmentConfig, scored_folder_problems
+from pipeline.student_data.settings import AlignmentConfig, scored_folder_problems
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 

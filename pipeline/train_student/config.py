@@ -39,8 +39,8 @@ from pipeline.runtime.config import (
     raise_if,
 )
 from pipeline.student_data.several_teachers import MISSING_RULES
-from pipeline.student_data.student_side import AlignmentConfig, scored_folder_problems
-from pipeline.train_student.trackers import tracker_problems
+from pipeline.student_data.settings import AlignmentConfig, scored_folder_problems
+from pipeline.train_student.trackers import tracker_name_problems, tracker_problems
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
@@ -241,7 +241,7 @@ class TrainConfig:
             found.append("max_steps: set max_steps or max_tokens, not both")
         if self.min_learning_rate > self.learning_rate:
             found.append(f"min_learning_rate: {self.min_learning_rate} exceeds train.learning_rate {self.learning_rate}")
-        found += tracker_problems(self.report_to)
+        found += tracker_name_problems(self.report_to)  # which are installed: tracker_problems (train_job_config)
         return found
 
 
@@ -300,6 +300,7 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
         p += [f"{where}.{line}" for line in part.problems()]
     p += [f"loss.{line.replace('method:', 'alignment:', 1)}" for line in job.alignment.problems()]
     p += job.problems()
+    p += [f"train.{line}" for line in tracker_problems(job.train.report_to)]
     try:
         batch_geometry(job, world_size)
     except ValueError as exc:
@@ -348,12 +349,14 @@ def config_defaults() -> dict:
     }
 
 
-def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConfig:
+def train_job_config(values: Mapping, check_files: bool = False, check_installed: bool = True) -> TrainJobConfig:
     """The typed job from a composed config (plain mapping). Every problem is reported in one
     :class:`pipeline.runtime.config.ConfigError`: unknown keys, wrong types, bad choices and ranges in
     every group and the batch geometry for one process (checked again for the real world size);
     with ``check_files``, also scored folders that do not exist and a local student that does not
-    (unless it is the embedded one, built later). Local paths become absolute."""
+    (unless it is the embedded one, built later); with ``check_installed``, the trackers of
+    ``train.report_to`` this machine lacks (:func:`pipeline.train_student.trackers.tracker_problems`, which
+    imports transformers: a command's check of its command line leaves them to its run). Local paths become absolute."""
     problems: list[str] = []
     values = lift_progress(values, "train")
     student_values, loss = dict(values.get("student") or {}), dict(values.get("loss") or {})
@@ -369,6 +372,8 @@ def train_job_config(values: Mapping, check_files: bool = False) -> TrainJobConf
     top = {k: v for k, v in values.items() if k not in ("student", "data", "train", "loss", *FRONT_END_KEYS)}
     job = build(TrainJobConfig, {**top, **{k: v for k, v in parts.items() if v is not None}}, "", problems,
                 assume=parts)
+    if check_installed and parts["train"] is not None:  # what this machine has: transformers is asked
+        problems += [f"train.{line}" for line in tracker_problems(parts["train"].report_to)]
     if parts["train"] is not None and parts["student"] is not None:
         try:
             _geometry(parts["train"], parts["student"].seq_len, world_size=1)

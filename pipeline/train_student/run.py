@@ -62,7 +62,7 @@ from pipeline.train_student.data import (
 )
 from pipeline.train_student.schedule import schedule_callbacks, schedule_problems, scheduler_arguments
 from pipeline.train_student.several_teachers import TeacherMetrics
-from pipeline.train_student.trackers import start_trackers, tracker_callbacks
+from pipeline.train_student.tracker_callbacks import start_trackers, tracker_callbacks
 from pipeline.train_student.trainer import (
     CheckpointRecordCallback,
     GuidedTrainer,
@@ -336,7 +336,7 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
 
 
 def tracker_recipe(job: TrainJobConfig, identity: dict) -> dict[str, str]:
-    """The recipe as the trackers receive it (:class:`pipeline.train_student.trackers.RecipeToTrackers`),
+    """The recipe as the trackers receive it (:class:`pipeline.train_student.tracker_callbacks.RecipeToTrackers`),
     flat ``recipe.*`` names and strings: the loss and its selection, each teacher's alignment as
     resolved, the teachers, the scored folders (or export) and a short digest of each folder's
     dataset identity, the mixture's weights, the student and its tokenizer, and ``recipe.data.digest``,

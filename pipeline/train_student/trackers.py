@@ -4,8 +4,8 @@
 (:class:`pipeline.train_student.trainer.GuidedTrainer`). Each integration is configured as its
 project documents it, by environment (``WANDB_PROJECT``, ``WANDB_MODE=offline``,
 ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``, ...); the tracker's run is named after the run
-folder, it ends with the training (:class:`FinishWandbRun`), and it receives the run's recipe
-beside the Trainer's parameters (:class:`RecipeToTrackers`). W&B and MLflow come with the
+folder, it ends with the training (:class:`~pipeline.train_student.tracker_callbacks.FinishWandbRun`), and it receives the run's recipe
+beside the Trainer's parameters (:class:`~pipeline.train_student.tracker_callbacks.RecipeToTrackers`). W&B and MLflow come with the
 ``trackers`` extra.
 
 :func:`tracker_problems` checks the names before any work: an integration the Trainer does not
@@ -13,18 +13,16 @@ have (with the nearest name), one whose package is not installed (with how to in
 MLflow's tracking store, opened as MLflow will open it (:func:`mlflow_store_problem`: the
 ``trackers`` extra's mlflow-skinny cannot open MLflow's default, a SQLite database). A tracker that
 still fails to start when training begins (a server that does not answer, W&B without a key) ends
-the run in one line before its first step (:func:`guard_tracker_start`).
+the run in one line before its first step (:func:`~pipeline.train_student.tracker_callbacks.guard_tracker_start`). This module asks
+transformers only inside the checks that need its tables, so that a config error is refused first;
+the callbacks, which subclass transformers' ``TrainerCallback``: :mod:`pipeline.train_student.tracker_callbacks`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from typing import Sequence
-
-from transformers import TrainerCallback
-from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
 from pipeline.runtime.config import UserError, nearest
 
@@ -41,19 +39,44 @@ class TrackerStartError(UserError, RuntimeError):
     """A tracker of ``train.report_to`` could not start; nothing was trained."""
 
 
-def tracker_problems(report_to: Sequence[str]) -> list[str]:
-    """``report_to: ...`` lines for names the Trainer does not know or cannot load, and for an
-    MLflow whose tracking store cannot be opened (empty: fine)."""
+def get_available_reporting_integrations() -> list[str]:
+    """The Trainer's integrations whose packages are installed (transformers' own answer)."""
+    from transformers.integrations.integration_utils import get_available_reporting_integrations as installed  # lazy: seconds to import; a config error is refused first
+
+    return installed()
+
+
+def integrations() -> dict:
+    """The Trainer's integrations: each name and its callback class (transformers' own table)."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK  # lazy: seconds to import; a config error is refused first
+
+    return INTEGRATION_TO_CALLBACK
+
+
+def tracker_name_problems(report_to: Sequence[str]) -> list[str]:
+    """``report_to`` mixing ``all`` or ``none`` with other names (the settings alone)."""
     names = list(report_to)
     if any(n in ALONE for n in names) and len(names) > 1:
         return [f"report_to: {names} mixes {' or '.join(ALONE)} with other names; give one of them alone, or a list of trackers"]
-    known = sorted(INTEGRATION_TO_CALLBACK)
+    return []
+
+
+def tracker_problems(report_to: Sequence[str]) -> list[str]:
+    """``report_to: ...`` lines for names the Trainer does not know or cannot load, and for an
+    MLflow whose tracking store cannot be opened (empty: fine); what this machine has, so
+    transformers is asked (a ``report_to`` that mixes ``all`` or ``none`` with names:
+    :func:`tracker_name_problems`)."""
+    names = list(report_to)
+    if tracker_name_problems(names) or all(n == "none" for n in names):  # nothing to ask transformers
+        return []
+    table = integrations()
+    known = sorted(table)
     installed = set(get_available_reporting_integrations())
     found = []
     for name in names:
         if name in ALONE:
             continue
-        if name not in INTEGRATION_TO_CALLBACK:
+        if name not in table:
             found.append(f"report_to: {name!r} is not one of the Trainer's integrations ({', '.join(known)})"
                          f"{nearest(str(name), known)}")
         elif name not in installed:
@@ -87,87 +110,14 @@ def mlflow_store_problem() -> str | None:
         elif "MLFLOW_ALLOW_FILE_STORE" in str(exc):
             why = "a folder of files, which MLflow opens only with MLFLOW_ALLOW_FILE_STORE=true"
         else:
-            why = _first_line(exc)
+            why = first_line(exc)
         return (f"report_to: mlflow cannot open its tracking store {uri} ({why}); give it one: {MLFLOW_FILE_STORE} "
                 "(a folder of files), or MLFLOW_TRACKING_URI=http://<host>:5000 (a server), or pip install mlflow "
                 "(the full package opens the default database)")
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     text = lines[0] if lines else type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
-
-
-def guard_tracker_start(callbacks: Sequence[TrainerCallback]) -> None:
-    """Each integration's start (its ``on_train_begin``: it opens its run there) made to end the
-    run with one line, :class:`TrackerStartError`, instead of a traceback: before the first
-    step, nothing trained, no checkpoint written."""
-    names = {cls: name for name, cls in INTEGRATION_TO_CALLBACK.items()}
-    for callback in callbacks:
-        name = names.get(type(callback))
-        if name is None or getattr(callback, "_start_guarded", False):
-            continue
-        start = callback.on_train_begin
-
-        def guarded(*args, _start=start, _name=name, **kwargs):
-            try:
-                return _start(*args, **kwargs)
-            except Exception as exc:
-                how = START.get(_name, f"the settings of {_name}")
-                raise TrackerStartError(
-                    f"train.report_to: {_name} did not start ({type(exc).__name__}: {_first_line(exc)}); nothing was "
-                    f"trained. Set it up ({how}), or leave it out of train.report_to") from exc
-
-        callback.on_train_begin, callback._start_guarded = guarded, True
-
-
-class FinishWandbRun(TrainerCallback):
-    """Ends the W&B run when training ends (after the Trainer's own W&B callback), so that each
-    training is one W&B run even when a process trains several (the Trainer leaves it open until
-    the process exits). MLflow's callback ends its run itself."""
-
-    def on_train_end(self, args, state, control, **kwargs):
-        wandb = sys.modules.get("wandb")
-        if state.is_world_process_zero and wandb is not None and getattr(wandb, "run", None) is not None:
-            wandb.finish()
-
-
-def tracker_callbacks(report_to: Sequence[str]) -> list[TrainerCallback]:
-    """What the run adds to the Trainer's own integrations for ``report_to``."""
-    uses_wandb = "wandb" in report_to or (list(report_to) == ["all"] and "wandb" in get_available_reporting_integrations())
-    return [FinishWandbRun()] if uses_wandb else []
-
-
-class RecipeToTrackers(TrainerCallback):
-    """Gives each started tracker the run's recipe (``params``: flat ``recipe.*`` names and
-    strings, :func:`pipeline.train_student.run.tracker_recipe`), so that runs can be filtered by
-    it: MLflow's params, W&B's config, a TensorBoard text. It runs after the integrations' own
-    start (they come first in the Trainer's callbacks), on the main process; other integrations
-    get the Trainer's parameters only."""
-
-    def __init__(self, params: dict[str, str], callbacks: Sequence[TrainerCallback]):
-        self.params = dict(params)
-        self.callbacks = callbacks
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        for callback in self.callbacks:
-            kind = type(callback).__name__
-            if kind == "MLflowCallback" and getattr(callback, "_initialized", False) and callback._ml_flow.active_run():
-                limit = getattr(callback, "_MAX_PARAM_VAL_LENGTH", 6000)
-                callback._ml_flow.log_params({k: v[:limit] for k, v in self.params.items()})
-            elif kind == "WandbCallback" and getattr(callback, "_wandb", None) is not None and callback._wandb.run:
-                callback._wandb.config.update(self.params, allow_val_change=True)
-            elif kind == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
-                callback.tb_writer.add_text("recipe", "\n".join(f"    {k}: {v}" for k, v in self.params.items()))
-
-
-def start_trackers(trainer, recipe: dict[str, str]) -> None:
-    """What a run adds to its trackers' start: one line if one cannot start
-    (:func:`guard_tracker_start`), then the recipe (:class:`RecipeToTrackers`)."""
-    callbacks = trainer.callback_handler.callbacks
-    guard_tracker_start(callbacks)
-    trainer.add_callback(RecipeToTrackers(recipe, list(callbacks)))
