@@ -4,7 +4,7 @@ On a real scored dataset (by default the tiny teacher's scoring of the sample co
 student tokenizer (TinyLlama's Llama-2 SentencePiece), exported once beforehand with the same
 settings (untimed), all single-threaded and compared by process CPU time:
 
-* ``aligned``: every packed sample of a fresh :class:`pipeline.student_data.student_side.PackedDataset` (plan
+* ``aligned``: every packed sample of a fresh :class:`pipeline.student_data.dataset.PackedDataset` (plan
   built beforehand: the steady state of training), read in order through a
   ``torch.utils.data.DataLoader`` in batches of ``batch_size`` samples, as the trainer reads it:
   reading the rows, tokenizing, aligning, packing;
@@ -66,7 +66,9 @@ def run(cfg: ExportDataBenchConfig, work_dir: str | os.PathLike, tokenizer_dir: 
 
     from benchmarks.export import subset
     from pipeline.export_student.job import run_export
-    from pipeline.student_data.student_side import AlignmentConfig, PackedDataset, PackingConfig, build_student_data, collate_packed
+    from pipeline.student_data.build import build_student_data
+    from pipeline.student_data.dataset import PackedDataset, collate_packed
+    from pipeline.student_data.settings import AlignmentConfig, PackingConfig
     from pipeline.train_student.from_export import ExportDataset, open_export_data
     from pipeline.train_student.config import DataConfig
     from storage_schemas.reader import open_scored_dataset

@@ -9,7 +9,7 @@ carries the parent's peak over ``fork`` and ``exec`` into it). Workloads, each a
 
 * ``stage1``: :func:`pipeline.score_teacher.job.run_score_job` with a small random-weight teacher
   (Mistral's 32k vocabulary), Ray started by the job;
-* ``student_data``: :func:`pipeline.student_data.student_side.build_student_data` (student: the Llama-2
+* ``student_data``: :func:`pipeline.student_data.build.build_student_data` (student: the Llama-2
   tokenizer) over the stage-1 output, then every packed sample read;
 * ``train``: :func:`pipeline.train_student.run.run_training` of a small random-weight student for a fixed
   number of steps (the data plan covers the whole corpus; the steps do not grow with it);
@@ -188,7 +188,8 @@ def _stage1(a: dict) -> dict:
 
 
 def _student_data(a: dict) -> dict:
-    from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+    from pipeline.student_data.build import build_student_data
+    from pipeline.student_data.settings import AlignmentConfig, PackingConfig
     from pipeline.method.tokenization import load_tokenizer
     from storage_schemas.reader import open_scored_dataset
 

@@ -2,7 +2,7 @@
 
 1. Load the student's tokenizer (a fast one: offsets are the alignment) and check ``seq_len``
    against the student's positions; open and validate the scored folders, one group per teacher.
-2. Count the student tokens and plan the stream (:func:`pipeline.student_data.student_side.build_student_data`,
+2. Count the student tokens and plan the stream (:func:`pipeline.student_data.build.build_student_data`,
    the length cache shared with stage 2): the rows, and so every shard, are a function of the
    inputs and the settings. The identity (:func:`export_identity`) says which.
 3. Take the output folder (its lock; refuse another kind of folder, or another identity), then
@@ -51,7 +51,9 @@ from pipeline.folders.shard_folder import (
     write_marker,
     write_shard_files,
 )
-from pipeline.student_data.student_side import PackingConfig, StudentData, build_student_data, document_tokens, teacher_identity
+from pipeline.student_data.build import StudentData, build_student_data, teacher_identity
+from pipeline.student_data.packing import document_tokens
+from pipeline.student_data.settings import PackingConfig
 from pipeline.method.tokenization import fingerprint, load_tokenizer, require_fast
 from storage_schemas import CARD_NAME, MANIFEST_NAME, ContractError, write_json_atomic
 from storage_schemas import filesystem as sfs
@@ -77,7 +79,7 @@ class ExportSummary:
     shards_done_before: int
     shards_written: int
     tokens: int  # stream tokens (BOS/EOS included) in the whole export's rows: the manifest's totals.tokens
-    student_tokens: int  # the documents' own, one pass (pipeline.student_data.student_side.document_tokens), as stage 2 reports
+    student_tokens: int  # the documents' own, one pass (pipeline.student_data.packing.document_tokens), as stage 2 reports
     tokens_this_run: int
     mapped_fraction: float
     bytes: dict[str, int]  # per format, whole export

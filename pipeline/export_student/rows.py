@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.folders.export_folder import teacher_loss_column
-from pipeline.student_data.student_side import PackedDataset, StudentData
+from pipeline.student_data.build import StudentData
+from pipeline.student_data.dataset import PackedDataset
 from storage_schemas.reader import ShardInfo, read_row_group
 from storage_schemas.rows import list_array
 

@@ -16,12 +16,9 @@ from pipeline.method.bits_per_byte import shard_documents, text_file_documents
 from pipeline.runtime.config import ConfigError
 from pipeline.student_data.held_out_shards import held_out_entries, hold_out
 from pipeline.student_data.several_teachers import open_teachers
-from pipeline.student_data.student_side import (
-    PackingConfig,
-    StudentData,
-    build_student_data,
-    student_per_teacher_token,
-)
+from pipeline.student_data.build import StudentData, build_student_data
+from pipeline.student_data.lengths import student_per_teacher_token
+from pipeline.student_data.settings import PackingConfig
 from pipeline.train_student.config import TrainJobConfig
 from pipeline.train_student.from_export import ExportData, open_export_data
 from pipeline.train_student.mixture import CorpusData, MixtureData, build_mixture

@@ -33,8 +33,10 @@ from pipeline.runtime.config import UserError
 from pipeline.folders.export_folder import EXPORT_VERSION, EXPORT_VERSION_KEY, teacher_loss_column
 from pipeline.student_data.held_out_shards import held_out_record, hold_out
 from pipeline.student_data.several_teachers import open_teachers, unique_names
-from pipeline.student_data.student_side import (AlignmentConfig, PackedDataset, StudentDataError, Window, document_tokens,
-                                    resolve_alignment, teacher_identity)
+from pipeline.student_data.build import teacher_identity
+from pipeline.student_data.dataset import PackedDataset, Window
+from pipeline.student_data.packing import document_tokens
+from pipeline.student_data.settings import AlignmentConfig, StudentDataError, resolve_alignment
 from pipeline.method.tokenization import bos_token_id, fingerprint
 from storage_schemas import MANIFEST_NAME
 from storage_schemas import filesystem as sfs
@@ -276,7 +278,7 @@ def teacher_differences(exported: list[dict], data) -> list[str]:
 
 @dataclass
 class ExportData:
-    """A run's data from an export: what :class:`pipeline.student_data.student_side.StudentData` gives a run."""
+    """A run's data from an export: what :class:`pipeline.student_data.build.StudentData` gives a run."""
 
     dataset: ExportDataset
     folder: str

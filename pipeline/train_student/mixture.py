@@ -3,7 +3,7 @@
 docs/configuration.md, "Data mixtures").
 
 Each corpus is a stream of its own: its scored folders (one teacher or several) packed and aligned
-as a single-corpus run would pack them (:func:`pipeline.student_data.student_side.build_student_data`, its own
+as a single-corpus run would pack them (:func:`pipeline.student_data.build.build_student_data`, its own
 shuffled order and passes), or an export's rows (:mod:`pipeline.train_student.from_export`). The
 mixture only decides, for each of its samples ``k``, which corpus gives it and which of that
 corpus's samples it is. The rule (:class:`MixtureOrder`) is a pure function of the weights, the
@@ -203,7 +203,7 @@ class MixtureDataset(torch.utils.data.Dataset):
 
 @dataclass
 class CorpusData:
-    """One corpus of the mixture, its data built (:class:`pipeline.student_data.student_side.StudentData` or
+    """One corpus of the mixture, its data built (:class:`pipeline.student_data.build.StudentData` or
     :class:`pipeline.train_student.from_export.ExportData`)."""
 
     name: str
@@ -235,7 +235,7 @@ def check_same_teachers(corpora: Sequence[CorpusData]) -> None:
 
 @dataclass
 class MixtureData:
-    """The mixture as the run uses it: what :class:`pipeline.student_data.student_side.StudentData` gives a
+    """The mixture as the run uses it: what :class:`pipeline.student_data.build.StudentData` gives a
     single-corpus run (dataset, plan, identity, summary), for the whole mixture."""
 
     dataset: MixtureDataset

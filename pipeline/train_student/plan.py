@@ -7,7 +7,7 @@ without loading the student model or counting every token.
   documents spread evenly over the shards: their student tokens per teacher token (the teacher's
   count of every document is in the shards) times the teacher tokens every manifest records, with
   the ratio estimator's 95% error over the sampled documents.
-* **Samples and steps**: as the run computes them (:mod:`pipeline.student_data.student_side`): each document adds
+* **Samples and steps**: as the run computes them (:mod:`pipeline.student_data.packing`): each document adds
   BOS (when the student's tokenizer adds one) and EOS, ``data.epochs`` passes are concatenated, a
   sample is ``seq_len`` tokens, a step ``micro_batch_size x processes x accumulation`` samples.
 * **The first count's time**: the sample's student tokens per CPU-second of counting, spread over
@@ -29,7 +29,7 @@ from transformers import AutoConfig
 
 from pipeline.student_data.held_out_shards import hold_out
 from pipeline.student_data.several_teachers import group_folders
-from pipeline.student_data.student_side import count_tokens, sample_documents_of
+from pipeline.student_data.lengths import count_tokens, sample_documents_of
 from pipeline.method.tokenization import bos_token_id, fingerprint, load_tokenizer
 from pipeline.train_student.config import TrainJobConfig, batch_geometry
 from pipeline.train_student.run import _cpu_threads, _on_gpu, _precision, load_student

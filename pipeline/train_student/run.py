@@ -37,7 +37,8 @@ from pipeline.method.tokenization import fingerprint, load_tokenizer
 from pipeline.runtime.config import ConfigError, Interrupted, raise_if
 from pipeline.runtime.cpu_threads import threads_for, torch_threads
 from pipeline.student_data.held_out_shards import held_out_record
-from pipeline.student_data.student_side import StudentData, collate_packed
+from pipeline.student_data.build import StudentData
+from pipeline.student_data.dataset import collate_packed
 from pipeline.train_student.checkpoints import (
     METRICS_NAME,
     checkpoint_step,

@@ -4,7 +4,7 @@ its checkpoint records.
 :class:`GuidedTrainer` changes ``transformers.Trainer`` in eight ways:
 
 * ``compute_loss`` hands the student's logits to :func:`pipeline.method.guided_loss.guided_loss` (the public loss)
-  with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.student_data.student_side`),
+  with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.student_data.dataset`),
   ``teacher_loss`` and ``mapped``. The loss is a per-micro-batch mean, so the top k% is selected
   per micro-batch and per rank, see docs/METHOD.md §2.2. ``random`` mode seeds its draw with
   ``(seed, step, micro-batch, rank)``, so a resumed run draws the same tokens.

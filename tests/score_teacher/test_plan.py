@@ -78,7 +78,8 @@ def test_plan_true_prints_the_bill_and_starts_nothing(micro_teacher, micro_corpu
 
 
 def test_the_training_plan_matches_the_runs_packing(micro_scored, tiny_student, tmp_path):
-    from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+    from pipeline.student_data.build import build_student_data
+    from pipeline.student_data.settings import AlignmentConfig, PackingConfig
     from pipeline.train_student.plan import plan_training
     from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
     from storage_schemas.reader import open_scored_dataset

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from storage_schemas.reader import BadShardError, ShardReader, open_scored_dataset
-from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+from pipeline.student_data.build import build_student_data
+from pipeline.student_data.settings import AlignmentConfig, PackingConfig
 from pipeline.method.tokenization import load_tokenizer
 from pipeline.train_student.config import StudentConfig
 from pipeline.train_student.run import load_student

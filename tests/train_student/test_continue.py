@@ -23,7 +23,7 @@ import pytest
 
 import pipeline.train_student.run as run_module
 from pipeline.runtime.config import ConfigError, MissingPathError
-from pipeline.student_data.student_side import collate_packed
+from pipeline.student_data.dataset import collate_packed
 from pipeline.train_student.checkpoints import RunMismatchError
 from pipeline.train_student.config import TrainJobConfig, validate
 from pipeline.train_student.run import run_training

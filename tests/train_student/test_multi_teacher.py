@@ -22,7 +22,8 @@ import torch
 from pipeline.score_teacher.teacher import ShardResult
 from pipeline.score_teacher.writer import write_manifest, write_shard
 from pipeline.method.alignment import align_document
-from pipeline.student_data.student_side import AlignmentConfig, PackingConfig, build_student_data
+from pipeline.student_data.build import build_student_data
+from pipeline.student_data.settings import AlignmentConfig, PackingConfig
 from pipeline.method.guided_loss import SelectionConfig, select_tokens
 from pipeline.train_student.run import run_training
 from pipeline.student_data.several_teachers import TeacherMismatchError, combine_losses, open_teachers

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.runtime.config import ConfigError
 from pipeline.export_student.config import export_job_config
-from pipeline.student_data.student_side import AlignmentConfig, resolve_alignment
+from pipeline.student_data.settings import AlignmentConfig, resolve_alignment
 from pipeline.method.tokenization import load_tokenizer
 from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig, train_job_config
 from pipeline.train_student.run import run_training

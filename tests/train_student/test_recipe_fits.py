@@ -23,7 +23,7 @@ def no_count(monkeypatch):
     def count_tokens(tokenizer, texts):
         raise AssertionError("the token count ran")
 
-    monkeypatch.setattr("pipeline.student_data.student_side.count_tokens", count_tokens)
+    monkeypatch.setattr("pipeline.student_data.lengths.count_tokens", count_tokens)
 
 
 def hand_bound(scored: Path, seq_len: int, samples_per_step: int, ratio: float = 1.25, epochs: int = 1) -> int:

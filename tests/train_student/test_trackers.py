@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.runtime.config import ConfigError
-from pipeline.student_data.student_side import AlignmentConfig
+from pipeline.student_data.settings import AlignmentConfig
 from pipeline.train_student.config import MixtureCorpus, TrainConfig
 from pipeline.train_student.run import run_training
 from pipeline.train_student.trackers import MLFLOW_FILE_STORE

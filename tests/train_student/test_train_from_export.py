@@ -22,11 +22,11 @@ from rich.console import Console
 
 from pipeline.export_student.config import DataConfig, ExportConfig, ExportJobConfig, StudentConfig
 from pipeline.export_student.job import run_export
-from pipeline.student_data.student_side import AlignmentConfig
+from pipeline.student_data.settings import AlignmentConfig
 from pipeline.train_student.from_export import ExportMismatchError
 from pipeline.train_student.config import MixtureCorpus
 from pipeline.train_student.run import run_training
-from pipeline.student_data.student_side import StudentDataError
+from pipeline.student_data.settings import StudentDataError
 from stages.train_student import print_summary
 from storage_schemas import file_sha256
 from test_multi_teacher import rewrite

@@ -13,7 +13,7 @@ import pytest
 from transformers import TrainerCallback
 
 from pipeline.train_student.checkpoints import DATA_IDENTITY_NAME
-from pipeline.student_data.student_side import AlignmentConfig
+from pipeline.student_data.settings import AlignmentConfig
 from pipeline.method.guided_loss import SelectionConfig
 from pipeline.train_student.checkpoints import RunMismatchError
 from pipeline.train_student.config import DataConfig, StudentConfig, TrainConfig, TrainJobConfig
