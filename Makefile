@@ -60,7 +60,7 @@ vocab-overlap: setup  ## vocabulary overlap of a teacher and a student tokenizer
 align-report: setup  ## how well a student tokenizer aligns to a scored dataset
 	$(PY) -m stages.inspect command=align-report $(ARGS)
 
-test: setup  ## the default test suite (what CI runs; ~12-13 min on 2 cores)
+test: setup  ## the default test suite (what CI runs; ~20 min on 2 cores)
 	$(PY) -m pytest -q -m "not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-slow: setup  ## the slow tests (faults, clusters, memory, from-nothing repro)
