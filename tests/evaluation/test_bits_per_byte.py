@@ -1,4 +1,4 @@
-"""Held-out bits per byte (``pipeline/evaluation/bits_per_byte.py``, ``held_out.py``): against a
+"""Held-out bits per byte (``pipeline/method/bits_per_byte.py``, ``pipeline/evaluation/held_out.py``): against a
 token-by-token hand computation on tiny real models, across two tokenizers, its statistics, the
 text files it reads, and ``make eval-student``/``make compare`` with it through the real CLI."""
 
