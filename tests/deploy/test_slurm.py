@@ -273,24 +273,68 @@ STAGE2 = ["student.seq_len=64", "train.micro_batch_size=2", "train.global_batch_
           "train.report_to=[]", "train.progress=false", "data.num_workers=1"]
 
 
-@contextlib.contextmanager
-def trainers_held(slurm, job_id: int):
-    """SIGSTOP the job's training processes (the ones torchrun starts and their data-loader
-    workers; torchrun itself, srun and the batch script keep running, so the signal gets through),
-    yield torchrun's children, SIGCONT them all on the way out."""
+def training_processes(slurm, job_id: int) -> tuple[set[int], list[int]]:
+    """The job's training processes (the ones torchrun starts and their data-loader workers;
+    torchrun itself, srun and the batch script are left out) and, among them, torchrun's children."""
     procs = job_processes(slurm, job_id)
-    held = {pid: ppid for pid, (ppid, cmd) in procs.items() if "stages.train_student" in cmd and "torchrun" not in cmd}
+    ours = {pid: ppid for pid, (ppid, cmd) in procs.items() if "stages.train_student" in cmd and "torchrun" not in cmd}
     torchruns = {pid for pid, (_, cmd) in procs.items() if "torchrun" in cmd}
-    trainers = [pid for pid, ppid in held.items() if ppid in torchruns]
-    assert len(trainers) == 2, f"one training process per node expected: {procs}"
-    for pid in held:
-        os.kill(pid, signal.SIGSTOP)
+    return set(ours), [pid for pid, ppid in ours.items() if ppid in torchruns]
+
+
+def signal_all(pids, sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def wait_stopped(pids: list[int], timeout: float = 10) -> None:
+    """Until each of ``pids`` is stopped (state T in /proc/<pid>/stat) or gone."""
+    def stopped(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+        except (OSError, IndexError):
+            return True
+
+    deadline = time.monotonic() + timeout
+    while not all(stopped(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"processes {pids} never stopped"
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def trainers_held(slurm, job_id: int, ready, timeout: float = 900):
+    """Hold the job's training processes (SIGSTOP) at the first moment ``ready()`` is true, yield
+    torchrun's children, SIGCONT them all on the way out; torchrun, srun and the batch script keep
+    running, so a signal gets through. A step of a tiny run is shorter than one look at the run's
+    files, so the run is never watched while it runs: it is stopped, looked at, and let go for
+    20 ms at a time, so it moves at most a step or so between two looks."""
+    deadline = time.monotonic() + timeout
+    held: set[int] = set()
+    trainers: list[int] = []
+    while len(trainers) < 2:
+        state = slurm.job(job_id)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"job {job_id} is {state} before its training processes started"
+        assert time.monotonic() < deadline, "timed out waiting for the training processes"
+        time.sleep(0.2)
+        held, trainers = training_processes(slurm, job_id)
+    assert len(trainers) == 2, f"one training process per node expected: {job_processes(slurm, job_id)}"
     try:
+        while True:
+            signal_all(held, signal.SIGSTOP)
+            more, _ = training_processes(slurm, job_id)  # data-loader workers started since the last look
+            signal_all(more - held, signal.SIGSTOP)
+            held |= more
+            wait_stopped(trainers)
+            if ready():
+                break
+            assert all(Path(f"/proc/{pid}").exists() for pid in trainers), "the run ended before it was held"
+            assert time.monotonic() < deadline, "timed out waiting for the run to be ready"
+            signal_all(held, signal.SIGCONT)
+            time.sleep(0.02)
         yield trainers
     finally:
-        for pid in held:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        signal_all(held, signal.SIGCONT)
 
 
 def wait_for_pending_term(pids: list[int], timeout: float = 120) -> None:
@@ -338,13 +382,18 @@ def test_stage2_on_two_nodes_killed_and_resubmitted_logs_the_losses_of_one_proce
         return slurm.sbatch(LAUNCHERS / "train-student.sbatch", *stage2_settings(work), cwd=REPO, env=env,
                             options=[*TWO_NODES, f"--output={work}/%x-%j.out"])
 
+    def checkpoint_and_a_step_after_it() -> bool:
+        try:
+            return bool(complete_steps(run)) and (run / "metrics.jsonl").exists() \
+                and max(r["step"] for r in metrics(run)) > max(complete_steps(run))
+        except ValueError:  # a metrics line half written when the run was stopped
+            return False
+
     first = submit()
-    wait_until(lambda: complete_steps(run) and (run / "metrics.jsonl").exists()
-               and max(r["step"] for r in metrics(run)) > max(complete_steps(run)),
-               "a complete checkpoint and a step after it", slurm, first)
     # A step of this tiny run takes ~0.1 s, less than the signal's way through Slurm: the training
-    # processes are held (SIGSTOP) until the SIGTERM waits in each, so the run is stopped mid-way.
-    with trainers_held(slurm, first) as trainers:
+    # processes are held (SIGSTOP) from a moment after a complete checkpoint until the SIGTERM waits
+    # in each, so the run is stopped mid-way.
+    with trainers_held(slurm, first, checkpoint_and_a_step_after_it) as trainers:
         slurm.run("scancel", "--batch", "--signal=TERM", str(first))  # the batch script passes it on to each step
         wait_for_pending_term(trainers)
     job = slurm.wait_until_done(first)
