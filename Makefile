@@ -20,7 +20,7 @@ export HF_HUB_DISABLE_TELEMETRY ?= 1
 # collection order (testpaths: the longest first), not xdist's default of the files with most tests first
 TEST_WORKERS ?= 2
 
-.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-slow test-slurm setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro repro-real teacher-smollm2 rehearse eval-student compare clean clean-outputs
+.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-long test-slow test-slurm setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro repro-real teacher-smollm2 rehearse eval-student compare clean clean-outputs
 
 help:  ## every target, one line each
 	@awk -F':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -60,8 +60,11 @@ vocab-overlap: setup  ## vocabulary overlap of a teacher and a student tokenizer
 align-report: setup  ## how well a student tokenizer aligns to a scored dataset
 	$(PY) -m stages.inspect command=align-report $(ARGS)
 
-test: setup  ## the default test suite (what CI runs; ~20 min on 2 cores)
-	$(PY) -m pytest -q -m "not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+test: setup  ## the default test suite (the README's command; ~12 min on 2 cores)
+	$(PY) -m pytest -q -m "not slow and not slurm and not long" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+test-long: setup  ## the end-to-end drills left out of make test (faults, kills, object stores; ~9 min; CI runs them)
+	$(PY) -m pytest -q -m "long and not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-slow: setup  ## the slow tests (faults, clusters, memory, from-nothing repro)
 	$(PY) -m pytest -q -m slow

@@ -354,7 +354,6 @@ def diagnose(run_guided: RealRun, base_folder: Path, trained: dict[str, str], wo
     and on the others. Cached in ``work/diagnosis`` by its inputs."""
     import torch
 
-    from pipeline.method.guided_loss import SelectionConfig
     from pipeline.method.tokenization import load_tokenizer
     from repro.diagnose import batch_losses, diagnosis_batches_of, select
 

@@ -144,6 +144,7 @@ def faulty_scoring(s3_server, micro_teacher, micro_corpus, tmp_path_factory):
     return out, server, outage, summary, injected
 
 
+@pytest.mark.long
 def test_a_store_down_past_the_retries_ends_the_job_in_one_line_with_nothing_half_written(faulty_scoring):
     out, _, outage, _, _ = faulty_scoring
     assert outage["code"] == 75 and outage["summary"] is None
@@ -172,6 +173,7 @@ def test_a_store_down_past_the_retries_ends_the_job_in_one_line_with_nothing_hal
         assert {e["file"] for e in manifest["shards"]} <= {m["file"] for m in markers.values()}
 
 
+@pytest.mark.long
 def test_stage1_through_the_faults_equals_the_local_scoring_and_counts_every_retry(faulty_scoring, micro_scored):
     out, server, _, summary, injected = faulty_scoring
     assert summary["complete"] and summary["shards_scored"] >= 1
@@ -203,6 +205,7 @@ def assert_every_retry_counted(calls: dict, injected: dict) -> None:
     assert reasons.get("SlowDown", 0) + reasons.get("HTTP 503", 0) == injected["slowdown"], (calls, injected)
 
 
+@pytest.mark.long
 def test_stage2_and_the_export_read_through_the_faults_as_from_the_local_copy(faulty_scoring, micro_scored,
                                                                               tiny_student, tmp_path):
     """Each reads the s3 dataset through faults of its own, in a process of its own (stage 2 in a

@@ -116,6 +116,7 @@ def test_the_bare_machine_has_no_ray_polars_datasets_pandas():
     assert not set(requirement_closure(PRESENT)) & set(NOT_NEEDED)
 
 
+@pytest.mark.long
 def test_smoke_runs_on_the_bare_machine(smoke_report):
     assert smoke_report["mode"] == "smoke" and smoke_report["machine"]["device_type"] == "cpu"
     assert {"scoring", "real_shape", "precision", "real_teacher", "training", "data", "vllm", "figures"} <= set(smoke_report)
@@ -129,6 +130,7 @@ def test_smoke_runs_on_the_bare_machine(smoke_report):
     assert "skipped" in smoke_report["vllm"] or "tokens_per_s" in smoke_report["vllm"]
 
 
+@pytest.mark.long
 def test_flop_counts_equal_the_hand_worked_ones(smoke_report):
     assert smoke_report["scoring"]["by_window"]["64"]["flops_per_token"]["forward"] == TEACHER_FORWARD
     # at T=32 only the attention term changes: 4 * 2 layers * 64 wide * 32 less
@@ -139,6 +141,7 @@ def test_flop_counts_equal_the_hand_worked_ones(smoke_report):
 @pytest.mark.parametrize("part,key,flops", [("scoring", "scorer", TEACHER_FORWARD),
                                             ("scoring", "bare_forward", TEACHER_FORWARD),
                                             ("training", "guided", STUDENT_STEP), ("training", "cpt", STUDENT_STEP)])
+@pytest.mark.long
 def test_mfu_is_tokens_per_second_times_flops_over_the_peak(smoke_report, part, key, flops):
     sc = smoke_report["scoring"]["by_window"]["64"]
     side = sc[key] if part == "scoring" else smoke_report[part][key]
@@ -151,6 +154,7 @@ def test_mfu_is_tokens_per_second_times_flops_over_the_peak(smoke_report, part, 
     assert by_key[f"{key}_mfu" + ("_teacher_w64" if part == "scoring" else "")] == side["mfu"]
 
 
+@pytest.mark.long
 def test_ratios_and_cores_follow_from_the_raw_timings(smoke_report):
     sc, tr, da = smoke_report["scoring"]["by_window"]["64"], smoke_report["training"], smoke_report["data"]
     paired = [b / s for b, s in zip(sc["bare_forward"]["seconds"], sc["scorer"]["seconds"])]
@@ -177,6 +181,7 @@ def test_full_shapes_match_the_published_parameter_counts():
     assert total == pytest.approx(1.1e9, rel=0.01)
 
 
+@pytest.mark.long
 def test_config_count_equals_the_model_count(smoke_report):
     from benchmarks.gpu import SHAPES, _linear_parameters
 
@@ -225,6 +230,7 @@ def test_a_part_that_hangs_is_stopped_and_the_next_still_runs(tmp_path, monkeypa
     assert result["error"] == "scoring: stopped at its time limit of 2 s"
 
 
+@pytest.mark.long
 def test_the_trained_teacher_losses_equal_an_independent_forward(smoke_report, real_inputs):
     """The part's stored float32 losses (stage 1's path) against a float64 forward of the same
     weights over each document's own window plan worked out here (window 64, stride 32)."""
@@ -257,6 +263,7 @@ def test_the_trained_teacher_losses_equal_an_independent_forward(smoke_report, r
     assert rt["files"]["pages.parquet"]["documents"] == len(texts)
 
 
+@pytest.mark.long
 def test_merging_two_runs_keeps_each_part_and_refuses_two_devices(smoke_report, tmp_path):
     import benchmarks.gpu as gpu
 
@@ -276,6 +283,7 @@ def test_merging_two_runs_keeps_each_part_and_refuses_two_devices(smoke_report, 
         gpu.merge_reports([str(p) for p in paths])
 
 
+@pytest.mark.long
 def test_the_cross_check_finds_a_planted_difference_and_refuses_other_text(smoke_report, real_inputs, tmp_path):
     """The losses file scored again here: a loss moved by 0.25 nats in the stored file is found as
     such (the rest agree: the same machine and path), and a changed document is refused by name."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from mutation.__main__ import REPO, Mutant, check_table, load_mutants, table_problems
 

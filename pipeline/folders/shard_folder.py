@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 
 from pipeline.runtime.config import UserError
 from pipeline.folders.folder_lock import LOCK_NAME
-from pipeline.folders.output_folder import SetAside, describe, is_aside, recover, set_aside
+from pipeline.folders.output_folder import SetAside, describe, recover, set_aside
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,

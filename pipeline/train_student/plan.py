@@ -34,7 +34,7 @@ from pipeline.method.tokenization import bos_token_id, fingerprint, load_tokeniz
 from pipeline.train_student.config import TrainJobConfig, batch_geometry
 from pipeline.train_student.run import _cpu_threads, _on_gpu, _precision, load_student
 from storage_schemas import filesystem as sfs
-from storage_schemas.reader import ScoredDataset, read_row_group
+from storage_schemas.reader import ScoredDataset
 
 SAMPLE_DOCUMENTS = 2000
 

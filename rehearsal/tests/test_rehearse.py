@@ -26,6 +26,7 @@ def rehearse(tmp_path: Path, *extra: str) -> dict:
     return json.loads((tmp_path / "out" / "scale.json").read_text())
 
 
+@pytest.mark.long
 def test_a_tiny_rehearsal_through_every_stage(shared_tokenizers, tmp_path):
     report = rehearse(tmp_path, "s3_fraction=null", "kill_fraction=null")
     (result,) = report["fractions"]

@@ -32,6 +32,7 @@ def texts_dir(micro_corpus, tmp_path_factory):
     return folder
 
 
+@pytest.mark.long
 def test_the_study_runs_end_to_end_and_resumes(texts_dir, micro_teacher, tmp_path, capsys):
     from hydra import initialize_config_dir
 

@@ -43,6 +43,7 @@ def scored(smollm2_gguf, tmp_path_factory) -> Path:
     return work
 
 
+@pytest.mark.long
 def test_stored_losses_equal_an_independent_forward_of_the_gguf(scored, smollm2_gguf):
     from tests.real_models.gguf_reference import GGUFLlama
 
@@ -62,6 +63,7 @@ def test_stored_losses_equal_an_independent_forward_of_the_gguf(scored, smollm2_
         assert 0.5 < np.nanmean(got) < 6  # a trained model on plain text, not a random one (~10.8 nats)
 
 
+@pytest.mark.long
 def test_the_identity_names_the_gguf_and_a_rerun_converts_nothing(scored):
     manifest = json.loads(next((scored / "scored").rglob("manifest.json")).read_text())
     teacher = manifest["identity"]["teacher"]

@@ -52,6 +52,7 @@ def _markers(out: Path) -> dict[int, dict]:
     return {int(p.name[6:12]): json.loads(p.read_text()) for p in out.glob("shard-*.done.json")}
 
 
+@pytest.mark.long
 def test_transient_faults_are_retried_and_the_dataset_is_unchanged(micro_teacher, micro_corpus, micro_scored,
                                                                     ray_local, tmp_path, monkeypatch):
     """CUDA out of memory twice on shard 1, a read error on shard 3, the actor's process exiting on
@@ -68,6 +69,7 @@ def test_transient_faults_are_retried_and_the_dataset_is_unchanged(micro_teacher
     assert_same_dataset(out, micro_scored)
 
 
+@pytest.mark.long
 def test_a_shard_that_keeps_failing_stops_the_job_by_default(micro_teacher, micro_corpus, ray_local, tmp_path,
                                                              monkeypatch):
     counters = tmp_path / "tries"
@@ -84,6 +86,7 @@ def test_a_shard_that_keeps_failing_stops_the_job_by_default(micro_teacher, micr
     assert failed["index"] == 2 and failed["attempts"] == 2 and "Input/output error" in failed["error"]
 
 
+@pytest.mark.long
 def test_skip_records_the_bad_shards_and_a_rerun_scores_them(micro_teacher, micro_corpus, micro_scored, ray_local,
                                                               tmp_path, monkeypatch):
     """on_bad_shard=skip: a shard failing on every try (read errors) is given up after 1 + shard_retries

@@ -140,6 +140,7 @@ def test_driver_killed_twenty_times(micro_teacher, micro_corpus, tmp_path):
     assert marked[5:] == sorted(marked[5:]) and marked[-1] < 16
 
 
+@pytest.mark.long
 def test_actor_killed_mid_shard_is_restarted_and_the_shard_redone(micro_teacher, micro_corpus, ray_local, tmp_path):
     import psutil
 

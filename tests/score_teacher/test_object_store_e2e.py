@@ -87,6 +87,7 @@ def _expected_names(out: str) -> list[str]:
     return ["manifest.json", "README.md", *files, *map(marker_of, files)]
 
 
+@pytest.mark.long
 def test_killed_and_rerun_s3_dataset_equals_the_local_scoring(s3_scored, micro_scored):
     _, out, after_kill, stray = s3_scored
     # A stray object after the rerun is an unmarked shard attempt, never listed (the next run removed it).
@@ -120,6 +121,7 @@ def test_killed_and_rerun_s3_dataset_equals_the_local_scoring(s3_scored, micro_s
         assert file_sha256(a) == file_sha256(b)
 
 
+@pytest.mark.long
 def test_inspect_validates_and_summarises_the_s3_dataset(s3_scored, micro_scored, tmp_path, monkeypatch):
     from rich.console import Console
 
@@ -155,6 +157,7 @@ def test_inspect_validates_and_summarises_the_s3_dataset(s3_scored, micro_scored
         sfs.delete(sfs.child(out, stray))
 
 
+@pytest.mark.long
 def test_stage2_trains_from_the_s3_dataset_as_from_the_local_one(s3_scored, micro_scored, micro_corpus, tmp_path):
     from pipeline.embedded.sample_corpus import clean_texts
     from pipeline.embedded.tiny_student import TinyStudentSpec, build_tiny_student

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.folders.output_folder import StorageError, set_aside
+from pipeline.folders.output_folder import set_aside
 from pipeline.score_teacher.job import run_score_job
 from pipeline.score_teacher.pool import ShardFailedError
 from pipeline.score_teacher.writer import SCORED, DatasetMismatchError
@@ -103,6 +103,7 @@ def test_an_output_folder_holding_the_teacher_or_the_corpus_is_refused(micro_tea
     assert Path(corpus).is_file()
 
 
+@pytest.mark.long
 def test_overwrite_sets_the_old_dataset_aside_and_gives_it_back_when_the_new_scoring_fails_or_is_killed(
         micro_teacher, micro_corpus, ray_local, tmp_path, monkeypatch):
     out = tmp_path / "ds"

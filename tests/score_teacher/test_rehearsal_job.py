@@ -8,7 +8,6 @@ the reference losses are computed from the stored token ids by the definition, t
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys

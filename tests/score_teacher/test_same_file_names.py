@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from pipeline.score_teacher.corpus import CorpusConfig, corpus_identity, plan_shards, read_shard, resolve_sources
 from storage_schemas import filesystem as sfs
@@ -75,6 +76,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "VOCAGNO_TRACEBACK": ""})
 
 
+@pytest.mark.long
 def test_stage1_on_two_files_of_one_name_gives_unique_ids_and_validates(micro_teacher, tmp_path):
     a = write_jsonl(tmp_path / "corpus" / "a" / "train.jsonl", 5, "a")
     b = write_jsonl(tmp_path / "corpus" / "b" / "train.jsonl", 4, "b")

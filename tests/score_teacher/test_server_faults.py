@@ -203,6 +203,7 @@ def assert_same_as_reference(folder: Path, reference: Path) -> dict:
     return same
 
 
+@pytest.mark.long
 def test_faults_on_the_way_change_nothing(micro_teacher, micro_corpus, reference, tmp_path, monkeypatch):
     """503 for the first 1.5 s (the probe window waits) and again for 8 requests mid-job, 429s,
     answers dropped after they were computed and answers slower than the time-out, behind a key: the
@@ -235,6 +236,7 @@ def test_faults_on_the_way_change_nothing(micro_teacher, micro_corpus, reference
     assert location["server_host"] == server.url.removeprefix("http://")
 
 
+@pytest.mark.long
 def test_a_server_gone_longer_than_the_budget_stops_the_job_and_a_rerun_completes(
         micro_teacher, micro_corpus, reference, tmp_path):
     """From the 40th request on the server answers 503 for 30 s; with scorer.retry_for_s=2 the job
@@ -264,6 +266,7 @@ def test_a_server_gone_longer_than_the_budget_stops_the_job_and_a_rerun_complete
     assert_same_as_reference(tmp_path / "ds", reference)
 
 
+@pytest.mark.long
 def test_requests_in_flight_are_bounded_in_total(micro_teacher, micro_corpus, tmp_path):
     """Two actors of up to 8 requests each, scorer.max_in_flight=4: the server never sees more than 4
     at once (each actor's share is 4 // 2)."""

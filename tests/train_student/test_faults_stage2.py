@@ -142,6 +142,7 @@ def kill_and_resume(student: Path, scored: Path, tmp_path: Path, steps: int, kil
     return resumed_at
 
 
+@pytest.mark.long
 def test_training_killed_after_a_checkpoint_resumes_to_the_same_losses(tiny_student, micro_scored, tmp_path):
     """SIGKILL at a random moment after the first checkpoint; the rerun resumes from the newest
     complete checkpoint and logs exactly the uninterrupted run's per-step losses."""
@@ -302,6 +303,7 @@ def signal_reference(tiny_student, micro_scored, tmp_path_factory) -> tuple[Path
     return reference_run(tiny_student, micro_scored, tmp_path_factory.mktemp("signal-reference"), steps), steps
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_a_signal_saves_a_checkpoint_at_the_current_step_and_the_rerun_ends_as_an_uninterrupted_run(
         sig, tiny_student, micro_scored, signal_reference, tmp_path):

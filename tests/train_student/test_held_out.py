@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +178,7 @@ def test_several_teachers_hold_the_same_shards_out_of_each(tiny_student, scored,
     assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.long
 def test_an_export_holds_the_same_shards_out_and_trains_and_evaluates_as_the_folders(tiny_student, scored, tmp_path):
     """make export-student and then make train-student ARGS="data.export=<export>" with the
     defaults of their confs (the embedded recipe holds one shard out): the export leaves the held-out

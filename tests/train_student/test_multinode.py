@@ -215,6 +215,7 @@ def needed_row_groups(scored: Path, student: Path, samples: set[int]) -> set[tup
     return needed
 
 
+@pytest.mark.long
 def test_two_launchers_train_like_one_process_and_count_once(tiny_student, micro_scored, tmp_path):
     """Two nodes with a shared length cache: the per-step losses of one process with the same
     global batch; the token count done once, on global rank 0, reading only ``text``; each rank's

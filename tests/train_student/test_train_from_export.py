@@ -180,6 +180,7 @@ def test_an_export_with_other_settings_through_the_entry_point(tiny_student, mic
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.long
 def test_export_training_and_its_bill_count_the_same_student_tokens(tiny_student, micro_scored, tmp_path):
     """Through the commands, on every shard (none held out): make export-student, train-student from
     the export and from the scored folder, and train-student's plan=true all report as "student tokens"
