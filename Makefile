@@ -60,10 +60,10 @@ vocab-overlap: setup  ## vocabulary overlap of a teacher and a student tokenizer
 align-report: setup  ## how well a student tokenizer aligns to a scored dataset
 	$(PY) -m stages.inspect command=align-report $(ARGS)
 
-test: setup  ## the default test suite (the README's command; ~12 min on 2 cores)
+test: setup  ## the default test suite (the README's command; 12-13 min on 2 cores)
 	$(PY) -m pytest -q -m "not slow and not slurm and not long" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test-long: setup  ## the end-to-end drills left out of make test (faults, kills, object stores; ~9 min; CI runs them)
+test-long: setup  ## the end-to-end drills left out of make test (faults, kills, object stores; 8-9 min; CI runs them)
 	$(PY) -m pytest -q -m "long and not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-slow: setup  ## the slow tests (faults, clusters, memory, from-nothing repro)
