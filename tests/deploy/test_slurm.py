@@ -98,6 +98,11 @@ def ray_nodes(log: str) -> list[dict[str, str]]:
     return attempts
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name: state, parent pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def job_processes(slurm, job_id: int) -> dict[int, tuple[int, str]]:
     """``{pid: (parent pid, command line)}`` of every process still running with this job's
     environment: Slurm sets SLURM_JOB_ID in every process of a job, and children inherit it (Ray's
@@ -109,7 +114,7 @@ def job_processes(slurm, job_id: int) -> dict[int, tuple[int, str]]:
         try:
             if all(tag in (proc / "environ").read_bytes().split(b"\0") for tag in tags):
                 cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                found[int(proc.name)] = (int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]), cmdline)
+                found[int(proc.name)] = (int(stat_fields(int(proc.name))[1]), cmdline)
         except (OSError, IndexError, ValueError):
             continue  # ended meanwhile
     return found
@@ -292,7 +297,7 @@ def wait_stopped(pids: list[int], timeout: float = 10) -> None:
     """Until each of ``pids`` is stopped (state T in /proc/<pid>/stat) or gone."""
     def stopped(pid: int) -> bool:
         try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+            return stat_fields(pid)[0] in ("T", "t", "Z", "X")
         except (OSError, IndexError):
             return True
 
@@ -310,14 +315,15 @@ def trainers_held(slurm, job_id: int, ready, timeout: float = 900):
     files, so the run is never watched while it runs: it is stopped, looked at, and let go for
     20 ms at a time, so it moves at most a step or so between two looks."""
     deadline = time.monotonic() + timeout
-    held: set[int] = set()
-    trainers: list[int] = []
-    while len(trainers) < 2:
-        state = slurm.job(job_id)["JobState"]
-        assert state in ("PENDING", "RUNNING"), f"job {job_id} is {state} before its training processes started"
-        assert time.monotonic() < deadline, "timed out waiting for the training processes"
-        time.sleep(0.2)
-        held, trainers = training_processes(slurm, job_id)
+    found = (set(), [])
+
+    def started() -> bool:
+        nonlocal found
+        found = training_processes(slurm, job_id)
+        return len(found[1]) >= 2
+
+    wait_until(started, "the training processes", slurm, job_id, timeout)
+    held, trainers = found
     assert len(trainers) == 2, f"one training process per node expected: {job_processes(slurm, job_id)}"
     try:
         while True:
