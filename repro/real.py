@@ -577,7 +577,7 @@ def run_study(study: RealStudyConfig) -> dict:
     return record
 
 
-@entry_point("repro_real", DEFAULTS, check=study_config)
+@entry_point("repro_real_cold", DEFAULTS, check=study_config)
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     run_study(study_config(cfg))

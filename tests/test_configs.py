@@ -161,7 +161,7 @@ ENTRY_POINTS = {"score_teacher": "stages.score_teacher", "train_student": "stage
                 "export_student": "stages.export_student",
                 "convert_teacher": "stages.convert_teacher", "eval_student": "stages.eval_student",
                 "compare_evals": "stages.compare_evals", "bench": "benchmarks.__main__", "gpu_bench": "benchmarks.gpu",
-                "repro": "repro.__main__", "repro_real": "repro.real", "mutation": "mutation.__main__", "rehearse": "rehearsal.__main__"}
+                "repro": "repro.__main__", "repro_real": "repro.warm", "repro_real_cold": "repro.real", "mutation": "mutation.__main__", "rehearse": "rehearsal.__main__"}
 
 
 @pytest.mark.parametrize("primary", sorted(p.stem for p in CONF.glob("*.yaml")))
@@ -191,7 +191,8 @@ FIRST_HOUR = [
     ("train_student", ["loss.ratio=1.5", "train.max_steps=-3"],
      ["loss.ratio: 1.5 is not in (0, 1]", "train.max_steps: -3 must be >= 1"]),
     ("train_student", ["+loss.ratoi=0.2"],
-     ["loss.ratoi: unknown key; did you mean ratio? (known: aggregate, alignment, combine, mode, n_chunks, "
+     ["loss.ratoi: unknown key; did you mean ratio? (known: aggregate, alignment, byte_fallback, combine, mode, "
+      "n_chunks, "
       "rank_over, ratio, teacher_weights, unmapped)"]),
     ("train_student", ["student=tinyllama", "train.lerning_rate=1"],
      ["student: 'tinyllama' is not a preset; did you mean tinyllama-1.1b?", "train.lerning_rate: unknown key; "

@@ -15,9 +15,12 @@ the same target; it returns the loss to back-propagate and the statistics of the
   (``make export-student`` writes it beside the token ids, ``teacher_loss[t]`` being the loss of token
   ``t``: shift it with the labels), NaN where no teacher token maps (such tokens are *unmapped*).
 * ``SelectionConfig``: ``mode`` ``guided`` (the top ``ceil(ratio * n_mapped)`` by the excess loss
-  ``l_s - L_t``), ``random`` (as many, drawn uniformly with ``generator``) or ``cpt`` (every token);
-  ``ratio``; ``rank_over`` ``batch`` (one ranking over the micro-batch, as Rho-1) or ``sequence``;
-  ``unmapped`` ``include`` (always trained) or ``exclude``.
+  ``l_s - L_t``), ``random`` (as many, drawn uniformly with ``generator``), ``cpt`` (every token),
+  ``student_loss`` (as many, by ``l_s`` alone, highest first) or ``teacher_loss`` (by ``L_t`` alone,
+  lowest first); ``ratio``; ``rank_over`` ``batch`` (one ranking over the micro-batch, as Rho-1) or
+  ``sequence``; ``unmapped`` ``include`` (always trained) or ``exclude``; ``byte_fallback``
+  ``exclude`` keeps the positions ``byte_pieces`` marks (a (B, T) bool of the targets that are
+  byte-fallback pieces) out of the ranking, as unmapped tokens.
 
 The loss is the mean of ``l_s`` over the trained tokens, per call: under gradient accumulation the
 selection is per micro-batch, as in ``make train-student``, whose Trainer calls this same function.
@@ -131,10 +134,11 @@ def select_tokens(
     mapped: torch.Tensor | None,
     config: SelectionConfig,
     generator: torch.Generator | None = None,
+    byte_pieces: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) bool masks ``(trained, selected)``: every token the loss averages over, and the
-    mapped tokens chosen by the excess loss (guided), at random (random), or all of them (cpt,
-    which trains every token: none is dropped)."""
+    mapped tokens chosen by their score (module docstring), at random (random), or all of them
+    (cpt, which trains every token: none is dropped)."""
     if config.mode == "cpt":
         if teacher_loss is None or mapped is None:
             return valid, torch.zeros_like(valid)
@@ -142,8 +146,16 @@ def select_tokens(
     if teacher_loss is None or mapped is None:
         raise ValueError(f"mode {config.mode!r} needs teacher_loss and mapped")
     candidates = mapped & valid & ~torch.isnan(teacher_loss)  # (B, T)
+    if config.byte_fallback == "exclude":
+        if byte_pieces is None:
+            raise ValueError("byte_fallback='exclude' needs byte_pieces, the (B, T) mask of byte-fallback targets")
+        candidates = candidates & ~byte_pieces
     if config.mode == "guided":
         scores = token_loss.detach().float() - teacher_loss.float()  # (B, T) excess loss D
+    elif config.mode == "student_loss":
+        scores = token_loss.detach().float()  # the student's hardest first
+    elif config.mode == "teacher_loss":
+        scores = -teacher_loss.float()  # the teacher's easiest first
     else:
         scores = torch.rand(
             token_loss.shape, generator=generator, device=_generator_device(generator, token_loss)
@@ -172,6 +184,7 @@ class GuidedLoss:
     token_loss: torch.Tensor  # l_s, detached
     valid: torch.Tensor  # bool: label not ignored
     selected: torch.Tensor  # bool: the mapped tokens chosen (every trained token is selected or unmapped)
+    trained: torch.Tensor  # bool: every token the loss averages over
 
     def __iter__(self):  # as the ``(loss, stats)`` tuple it used to be
         return iter((self.loss, self.stats))
@@ -192,6 +205,7 @@ def guided_loss(
     generator: torch.Generator | None = None,
     *,
     valid: torch.Tensor | None = None,
+    byte_pieces: torch.Tensor | None = None,
 ) -> GuidedLoss:
     """Selected-token loss of a micro-batch and its statistics (module docstring).
 
@@ -205,6 +219,8 @@ def guided_loss(
         config: :class:`SelectionConfig`.
         generator: torch.Generator for ``random`` mode (on the device the noise is drawn on).
         valid: (B, T) bool, the positions that count; None: ``labels != -100``.
+        byte_pieces: (B, T) bool, the targets that are byte-fallback pieces (needed by
+            ``byte_fallback='exclude'`` only).
 
     Returns:
         :class:`GuidedLoss`, unpacking as ``(loss, stats)``: ``loss`` is the mean of ``l_s`` over the
@@ -230,10 +246,10 @@ def guided_loss(
         raise ValueError(f"valid {tuple(valid.shape)} does not match {tuple(token_loss.shape)}")
     if teacher_loss is not None and mapped is None:
         mapped = ~torch.isnan(teacher_loss)
-    trained, selected = select_tokens(token_loss, valid, teacher_loss, mapped, config, generator)
+    trained, selected = select_tokens(token_loss, valid, teacher_loss, mapped, config, generator, byte_pieces)
     loss = _mean_with_grad(token_loss, trained)
     stats = _stats(token_loss.detach(), valid, trained, selected, teacher_loss, mapped)
-    return GuidedLoss(loss, stats, token_loss.detach(), valid, selected)
+    return GuidedLoss(loss, stats, token_loss.detach(), valid, selected, trained)
 
 
 def _stats(token_loss, valid, trained, selected, teacher_loss, mapped) -> SelectionStats:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,18 @@ def bos_token_id(tokenizer) -> int | None:
         return None
     probe = tokenizer("a", add_special_tokens=True)["input_ids"]
     return int(bos) if probe and probe[0] == bos else None
+
+
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def byte_fallback_ids(tokenizer) -> np.ndarray:
+    """A bool per id of the tokenizer's vocabulary (added tokens included): whether the token is a
+    byte-fallback piece, SentencePiece's ``<0x41>`` that spells one byte of a character the
+    vocabulary has no piece for. A byte-level BPE (GPT-2, Qwen2) has none: all False."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return np.fromiter((isinstance(p, str) and BYTE_PIECE.fullmatch(p) is not None for p in pieces), dtype=bool,
+                       count=len(pieces))
 
 
 def fingerprint(tokenizer) -> str:

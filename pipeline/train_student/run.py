@@ -33,7 +33,7 @@ from pipeline.folders.folder_lock import exclusive_writer
 from pipeline.folders.model_source import model_positions, refuse_seq_len
 from pipeline.folders.output_folder import SetAside
 from pipeline.folders.provenance import model_identity
-from pipeline.method.tokenization import fingerprint, load_tokenizer
+from pipeline.method.tokenization import byte_fallback_ids, fingerprint, load_tokenizer
 from pipeline.runtime.config import ConfigError, Interrupted, raise_if
 from pipeline.runtime.cpu_threads import threads_for, torch_threads
 from pipeline.student_data.held_out_shards import held_out_record
@@ -123,6 +123,9 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
 
     tokenizer = load_tokenizer(job.student.tokenizer or job.student.model, revision=job.student.revision,
                                trust_remote_code=job.student.trust_remote_code)
+    if job.selection.byte_fallback == "exclude" and not byte_fallback_ids(tokenizer).any():
+        raise ConfigError(f"loss.byte_fallback=exclude: the student tokenizer ({job.student.tokenizer or job.student.model}) "
+                          "has no byte-fallback pieces (<0x..>) to keep out of the ranking; leave loss.byte_fallback=rank")
     args.process_index  # noqa: B018  (sets up the process group: every rank takes the token counts from rank 0)
     data = prepare_data(job, tokenizer,
                         check=lambda scored: check_token_budget(job, scored, world_size, accumulation, tokenizer))
@@ -313,6 +316,12 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
     )
 
 
+def _byte_pieces_or_none(tokenizer):
+    """The tokenizer's byte-fallback table, None when it has no such piece (byte-level BPE)."""
+    table = byte_fallback_ids(tokenizer)
+    return table if table.any() else None
+
+
 def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, guard, callbacks, held_out=None,
              on_checkpoint=None):
     trainer = GuidedTrainer(
@@ -331,6 +340,7 @@ def _trainer(job, args, model, tokenizer, data: StudentData, identity: dict, gua
         seed=job.train.seed,
         guard=guard,
         teacher_metrics=_teacher_metrics(job, data),
+        byte_pieces=_byte_pieces_or_none(tokenizer),
     )
     start_trackers(trainer, tracker_recipe(job, identity))  # one line if one cannot start; then the recipe
     return trainer

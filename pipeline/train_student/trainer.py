@@ -15,7 +15,12 @@ its checkpoint records.
 * every log adds token-weighted statistics of the selection since the last log (``loss_kept``,
   ``loss_all``, ``kept_fraction``, ``mapped_fraction``, ``teacher_loss_kept``/``_dropped``,
   ``excess_loss``, ``tokens_per_s``, ``tokens_seen``, ``sample_first``/``sample_last``), and its
-  ``epoch`` is the passes over the scored data (the Trainer's own counts the bounded sampler).
+  ``epoch`` is the passes over the scored data (the Trainer's own counts the bounded sampler). It
+  also describes the run's own selection by the tokens it *trained* on and those it *left* (valid
+  tokens not trained): ``student_loss_left`` (beside ``loss_kept``, the student's loss on the
+  trained ones), ``teacher_loss_trained``/``_left`` (over the mapped ones of each group) and, for a
+  student tokenizer with byte fallback, ``byte_share_trained``/``_left`` (the share of byte-fallback
+  pieces in each group).
 * with several teachers (docs/METHOD.md §2.6) every log also adds per-teacher metrics
   (:class:`pipeline.train_student.several_teachers.TeacherMetrics`: ``decided_t<i>``,
   ``mapped_fraction_t<i>``, ``selection_jaccard_t<a>_t<b>``), kept in the section "several
@@ -84,7 +89,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 # Running sums kept on the device between logging steps (no host synchronisation per step).
 _SUMS = ("tokens", "n_valid", "n_mapped", "n_selected", "n_kept", "loss_kept", "loss_all",
-         "teacher_loss_kept", "teacher_loss_dropped", "excess_loss")
+         "teacher_loss_kept", "teacher_loss_dropped", "excess_loss",
+         "n_left", "student_loss_left", "n_trained_mapped", "teacher_loss_trained", "n_left_mapped",
+         "teacher_loss_left", "n_byte_trained", "n_byte_left")
 
 
 class NonFiniteLossError(UserError, RuntimeError):
@@ -121,8 +128,11 @@ class NonFiniteGuard:
 
 class GuidedTrainer(Trainer):
     def __init__(self, *args, selection: SelectionConfig, seed: int = 0, guard: NonFiniteGuard | None = None,
-                 teacher_metrics: TeacherMetrics | None = None, eval_batch_size: int = 8, **kwargs):
+                 teacher_metrics: TeacherMetrics | None = None, eval_batch_size: int = 8,
+                 byte_pieces: np.ndarray | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        # A bool per vocabulary id: a byte-fallback piece (pipeline.method.tokenization.byte_fallback_ids)
+        self.byte_pieces = None if byte_pieces is None else torch.as_tensor(byte_pieces, dtype=torch.bool)
         self.eval_batch_size = eval_batch_size  # blocks per forward pass of the held-out evaluation
         self.teacher_metrics = teacher_metrics  # several teachers (docs/METHOD.md §2.6)
         self._teacher_sums = self._teacher_step_sums = None
@@ -182,13 +192,14 @@ class GuidedTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logits = model(input_ids=inputs["input_ids"]).logits  # (B, T, V)
+        byte_pieces = self._byte_pieces(inputs["labels"])
         selection = guided_loss(
             logits, inputs["labels"], inputs.get("teacher_loss"), inputs.get("mapped"),
-            self.selection, generator=self._generator(logits.device),
+            self.selection, generator=self._generator(logits.device), byte_pieces=byte_pieces,
         )
         loss, stats = selection.loss, selection.stats
         if model.training:
-            self._accumulate(inputs, stats, loss)
+            self._accumulate(inputs, stats, loss, selection, byte_pieces)
             self._accumulate_teachers(inputs, selection)
             self._accumulate_corpora(inputs)
         return (loss, {"logits": logits}) if return_outputs else loss
@@ -204,7 +215,16 @@ class GuidedTrainer(Trainer):
         ).generate_state(1)[0]
         return torch.Generator(device=device).manual_seed(int(seed))
 
-    def _accumulate(self, inputs, stats, loss) -> None:
+    def _byte_pieces(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """(B, T) bool: the targets that are byte-fallback pieces (None without a vocabulary table)."""
+        if self.byte_pieces is None:
+            return None
+        if self.byte_pieces.device != labels.device:
+            self.byte_pieces = self.byte_pieces.to(labels.device)
+        ids = labels.clamp(min=0, max=self.byte_pieces.numel() - 1)
+        return self.byte_pieces[ids] & (labels >= 0)
+
+    def _accumulate(self, inputs, stats, loss, selection, byte_pieces) -> None:
         n_dropped = stats.n_mapped - stats.n_selected
         values = torch.stack([
             torch.tensor(inputs["input_ids"].numel(), device=loss.device, dtype=torch.float64),
@@ -214,6 +234,7 @@ class GuidedTrainer(Trainer):
             stats.teacher_loss_kept * stats.n_selected,
             stats.teacher_loss_dropped * n_dropped,
             stats.excess_loss * stats.n_mapped,
+            *_trained_and_left(selection, inputs.get("teacher_loss"), byte_pieces),
         ]).double().nan_to_num(nan=0.0)  # a mean over no token is NaN; its weight is 0
         self._step_sums = values if self._step_sums is None else self._step_sums + values
         bad = ~torch.isfinite(loss.detach())
@@ -360,6 +381,11 @@ class GuidedTrainer(Trainer):
             "teacher_loss_kept": _ratio(s["teacher_loss_kept"], s["n_selected"]),
             "teacher_loss_dropped": _ratio(s["teacher_loss_dropped"], s["n_mapped"] - s["n_selected"]),
             "excess_loss": _ratio(s["excess_loss"], s["n_mapped"]),
+            "student_loss_left": _ratio(s["student_loss_left"], s["n_left"]),
+            "teacher_loss_trained": _ratio(s["teacher_loss_trained"], s["n_trained_mapped"]),
+            "teacher_loss_left": _ratio(s["teacher_loss_left"], s["n_left_mapped"]),
+            **({"byte_share_trained": _ratio(s["n_byte_trained"], s["n_kept"]),
+                "byte_share_left": _ratio(s["n_byte_left"], s["n_left"])} if self.byte_pieces is not None else {}),
             "tokens_per_s": s["tokens"] / elapsed if elapsed and elapsed > 0 else math.nan,
             "tokens_seen": self.state.global_step * self.tokens_per_step,
             "sample_first": float(samples[0]),
@@ -477,6 +503,28 @@ def _worker_ignores_stop_signals(init, worker_id: int) -> None:
         signal.signal(s, signal.SIG_IGN)
     if init is not None:
         init(worker_id)
+
+
+def _trained_and_left(selection, teacher_loss: torch.Tensor | None, byte_pieces: torch.Tensor | None) -> list:
+    """The sums behind the trained / left metrics (module docstring), in ``_SUMS``'s order from
+    ``n_left``: 0-dim tensors on the loss's device."""
+    valid, trained = selection.valid, selection.trained
+    left = valid & ~trained
+    l_s = selection.token_loss.float()
+    zero = torch.zeros((), dtype=torch.float64, device=l_s.device)
+    if teacher_loss is None:
+        mapped_t = mapped_l = torch.zeros_like(valid)
+        l_t = torch.zeros_like(l_s)
+    else:
+        known = ~torch.isnan(teacher_loss)
+        mapped_t, mapped_l = trained & known, left & known
+        l_t = torch.nan_to_num(teacher_loss.float(), nan=0.0)
+    if byte_pieces is None:
+        bytes_t = bytes_l = zero
+    else:
+        bytes_t, bytes_l = (byte_pieces & trained).sum(), (byte_pieces & left).sum()
+    return [left.sum(), torch.where(left, l_s, 0.0).sum(), mapped_t.sum(), torch.where(mapped_t, l_t, 0.0).sum(),
+            mapped_l.sum(), torch.where(mapped_l, l_t, 0.0).sum(), bytes_t, bytes_l]
 
 
 def _ratio(total: float, count: float) -> float:

@@ -70,6 +70,12 @@ def test_trains_logs_checkpoints_and_saves_a_loadable_model(tiny_student, micro_
         expected = 0.4 * r["mapped_fraction"] + 1 - r["mapped_fraction"]
         assert expected <= r["kept_fraction"] <= expected + 0.01
         assert r["teacher_loss_kept"] < r["teacher_loss_dropped"] or r["excess_loss"] > 0
+        # the run's own selection, trained against left: the two groups make up every valid token, and
+        # with byte pieces ranked every trained token with a teacher loss is a selected one
+        share = r["kept_fraction"]
+        assert r["loss_all"] == pytest.approx(share * r["loss_kept"] + (1 - share) * r["student_loss_left"], rel=1e-4)
+        assert r["teacher_loss_trained"] == pytest.approx(r["teacher_loss_kept"], rel=1e-6)
+        assert r["teacher_loss_left"] == pytest.approx(r["teacher_loss_dropped"], rel=1e-6)
         assert r["sample_last"] - r["sample_first"] == 7  # 4 sequences x 2 micro-batches, in order
     assert [r["sample_first"] for r in records] == [0, 8, 16, 24]
     # epoch: passes over the packed data (samples trained over the plan's samples), not the share of
