@@ -29,6 +29,7 @@ from pipeline.train_student.config import (
     TrainJobConfig,
     check_student_source,
     config_defaults,
+    launch_problems,
     run_corpus_name,
     train_job_config,
 )
@@ -38,6 +39,7 @@ from stages.common import (
     entry_point,
     plain,
     quiet_libraries,
+    raise_if,
     same_path,
     show_summary,
     store_row,
@@ -179,6 +181,7 @@ def main(cfg: DictConfig) -> None:
 
     quiet_libraries()
     job = job_config(cfg, check_files=True)
+    raise_if(launch_problems())  # before the embedded student is built
     build_embedded(cfg)
     check_student_source(job.student)  # one clear line, before any work, if a hub student cannot be had
     if cfg.get("plan"):  # the bill only: the manifests, a sample of documents, the student's tokenizer

@@ -309,6 +309,24 @@ def validate(job: TrainJobConfig, world_size: int = 1) -> list[str]:
     return p + ([overlap] if overlap else [])
 
 
+def launch_problems(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """What makes this process's launch one that cannot train as one data-parallel run of
+    ``WORLD_SIZE`` processes: a ``WORLD_SIZE`` above 1 without the rank and rendezvous address that
+    ``torchrun`` and ``accelerate launch`` set beside it (a variable left over in the shell, a
+    launcher the project does not know). Empty when the launch is one process or a launcher's."""
+    world = environ.get("WORLD_SIZE", "").strip()
+    if not world:
+        return []
+    if not world.isdigit() or int(world) < 1:
+        return [f"WORLD_SIZE={world!r} is not a number of processes; launch with torchrun or accelerate launch, which set it"]
+    missing = [k for k in ("RANK", "MASTER_ADDR") if not environ.get(k)]
+    if int(world) > 1 and missing:
+        return [f"WORLD_SIZE={world} but {' and '.join(missing)} unset: not a launch of {world} processes by torchrun or "
+                "accelerate launch, which set them all (docs/multi-node.md); launch with one of them, or unset "
+                "WORLD_SIZE to train in one process"]
+    return []
+
+
 def run_folder_problem(job: TrainJobConfig) -> str | None:
     """The run folder may not be, hold or lie inside what the run reads (the student, its
     tokenizer, a scored folder, an export, a mixture's corpora, and with ``overwrite`` the checkpoint ``train.resume`` names),

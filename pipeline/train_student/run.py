@@ -52,7 +52,14 @@ from pipeline.train_student.checkpoints import (
     save_final,
     trainer_state,
 )
-from pipeline.train_student.config import StudentConfig, TrainConfig, TrainJobConfig, batch_geometry, validate
+from pipeline.train_student.config import (
+    StudentConfig,
+    TrainConfig,
+    TrainJobConfig,
+    batch_geometry,
+    launch_problems,
+    validate,
+)
 from pipeline.train_student.continuation import continuation_checkpoint, start_from_source
 from pipeline.train_student.data import (
     check_token_budget,
@@ -112,6 +119,7 @@ def run_training(job: TrainJobConfig, callbacks: list | None = None) -> TrainSum
 
 def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.ExitStack) -> TrainSummary:
     t0 = time.perf_counter()
+    raise_if(launch_problems())  # several processes that cannot be one run: before any work
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     problems = validate(job, world_size)
     if problems:
@@ -119,14 +127,14 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
     s = job.student  # the sequence against the student's positions first: every later count depends on it
     refuse_seq_len(s.seq_len, s.model, model_positions(s.model, s.revision, s.trust_remote_code))
     accumulation, tokens_per_step = batch_geometry(job, world_size)
-    args = _training_arguments(job, accumulation, max_steps=1)  # max_steps is set once the data is known
+    args = _training_arguments(job, accumulation, max_steps=1, world_size=world_size)  # max_steps: once the data is known
+    refuse_undistributed(args, world_size)  # sets up the process group: every rank takes the token counts from rank 0
 
     tokenizer = load_tokenizer(job.student.tokenizer or job.student.model, revision=job.student.revision,
                                trust_remote_code=job.student.trust_remote_code)
     if job.selection.byte_fallback == "exclude" and not byte_fallback_ids(tokenizer).any():
         raise ConfigError(f"loss.byte_fallback=exclude: the student tokenizer ({job.student.tokenizer or job.student.model}) "
                           "has no byte-fallback pieces (<0x..>) to keep out of the ranking; leave loss.byte_fallback=rank")
-    args.process_index  # noqa: B018  (sets up the process group: every rank takes the token counts from rank 0)
     data = prepare_data(job, tokenizer,
                         check=lambda scored: check_token_budget(job, scored, world_size, accumulation, tokenizer))
     with args.main_process_first(local=True, desc="student identity"):
@@ -275,8 +283,15 @@ def final_dtype(train: TrainConfig):
     return torch.bfloat16 if precision["bf16"] else torch.float16 if precision["fp16"] else torch.float32
 
 
-def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
+def _cpu_only(train: TrainConfig, world_size: int) -> bool:
+    """Whether the run trains on CPUs: ``train.use_cpu``, or several processes where no GPU is
+    (transformers would otherwise leave each process training alone on its own copy of every batch)."""
+    return train.use_cpu or (world_size > 1 and not torch.cuda.is_available())
+
+
+def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int, world_size: int = 1):
     t = job.train
+    cpu = _cpu_only(t, world_size)
     return TrainingArguments(
         output_dir=job.output_dir,
         per_device_train_batch_size=t.micro_batch_size,
@@ -302,8 +317,8 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         disable_tqdm=not t.progress,
         seed=t.seed,
         data_seed=t.seed,
-        use_cpu=t.use_cpu,
-        ddp_backend=t.ddp_backend,
+        use_cpu=cpu,
+        ddp_backend=t.ddp_backend or ("gloo" if cpu and world_size > 1 else None),  # never MPI unless asked
         ddp_find_unused_parameters=False,
         ddp_timeout=t.ddp_timeout,
         dataloader_num_workers=job.data.num_workers,
@@ -314,6 +329,24 @@ def _training_arguments(job: TrainJobConfig, accumulation: int, max_steps: int):
         label_names=["labels"],
         **({"eval_strategy": "steps", "eval_steps": t.eval_every} if t.eval_every else {"eval_strategy": "no"}),
     )
+
+
+def refuse_undistributed(args: TrainingArguments, world_size: int) -> None:
+    """Set up the process group and refuse, in one line before any work, a launch whose processes
+    would not train as one data-parallel run: each on its own part of every global batch, the
+    gradients reduced, one process writing. ``world_size`` is the launcher's (``WORLD_SIZE``)."""
+    from transformers.training_args import ParallelMode
+
+    joined, mode = args.world_size, args.parallel_mode
+    if world_size > 1 and (mode != ParallelMode.DISTRIBUTED or joined != world_size):
+        raise ConfigError(
+            f"this launch started {world_size} processes (WORLD_SIZE={world_size}), but they do not form one "
+            f"data-parallel run here (transformers sees {joined} process(es), {mode.value}), so each would train "
+            "the same batches alone; launch with torchrun or accelerate launch on GPUs or CPUs (docs/multi-node.md), "
+            "or run one process")
+    if world_size == 1 and joined > 1:
+        raise ConfigError(f"this process sees a distributed run of {joined} processes but WORLD_SIZE is unset; "
+                          "launch with torchrun or accelerate launch, which set it (docs/multi-node.md)")
 
 
 def _byte_pieces_or_none(tokenizer):

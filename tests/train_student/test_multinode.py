@@ -1,5 +1,7 @@
-"""Stage 2 on two nodes: two real ``torchrun`` launchers on 127.0.0.1 (c10d rendezvous, gloo on
-CPU, one process each) against one process with the same global batch.
+"""Stage 2 on several processes: two real ``torchrun`` launchers on 127.0.0.1 (c10d rendezvous,
+gloo on CPU, one process each), and one node's two processes started by ``torchrun`` or
+``accelerate launch`` exactly as docs/multi-node.md shows (no CPU or backend setting: the stage
+makes the launch one data-parallel run on CPUs), against one process with the same global batch.
 
 What each process reads is recorded by a ``sitecustomize`` module that the test puts first on the
 launchers' ``PYTHONPATH`` (test-only instrumentation; the code under test is unchanged): it wraps
@@ -75,12 +77,13 @@ if os.environ.get("READ_LOG_DIR"):
 
 
 def overrides(student: Path, scored: Path, out: Path, run: str, steps: int, cache: Path) -> list[str]:
+    """The run's settings as a user gives them to a launcher: nothing about CPUs or the backend."""
     return [
         "student.embedded=false", f"student.model={student}", f"student.seq_len={SEQ}", f"data.folders=[{scored}]",
         f"data.cache_dir={cache}", "data.num_workers=1", f"train.micro_batch_size={MICRO}",
         f"train.global_batch_tokens={GLOBAL_SAMPLES * SEQ}", f"train.max_steps={steps}", "train.warmup_steps=2",
         "train.learning_rate=3e-3", "train.min_learning_rate=3e-4", "train.logging_steps=1", "train.save_steps=3",
-        "train.use_cpu=true", "train.report_to=[]", "train.progress=false", "train.cpu_threads=1",
+        "train.report_to=[]", "train.progress=false", "train.cpu_threads=1",
         f"output_dir={out}/{run}",
         # every document trained and counted: not the embedded recipe's held-out shard and its evaluation
         "data.held_out_shards=0", "train.eval_every=null",
@@ -88,10 +91,11 @@ def overrides(student: Path, scored: Path, out: Path, run: str, steps: int, cach
 
 
 def reference_run(student: Path, scored: Path, out: Path, steps: int) -> Path:
-    """One process, in this process, from the very config the stage composes."""
+    """One process, in this process (on the CPU), from the very config the stage composes."""
     from stages.train_student import job_config
 
-    job = job_config(compose(overrides(student, scored, out, "one-process", steps, out / "one-process-lengths")))
+    job = job_config(compose([*overrides(student, scored, out, "one-process", steps, out / "one-process-lengths"),
+                              "train.use_cpu=true"]))
     run_training(job)
     return Path(job.output_dir)
 
@@ -103,20 +107,25 @@ def free_port() -> int:
 
 
 def launch(node: int, port: int, args: list[str], out: Path, logs: Path) -> subprocess.Popen:
-    """One node's launcher in its own session (so that it, its worker and its data-loader worker
-    die together). Node 0 hosts the rendezvous store."""
+    """One node's launcher (of two) in its own session (so that it, its worker and its data-loader
+    worker die together). Node 0 hosts the rendezvous store."""
+    launcher = ["torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=vocagno-test-{port}",
+                f"--rdzv-conf=is_host={str(node == 0).lower()}", "--max-restarts=0"]
+    return start(launcher, args, out, logs, f"node{node}")
+
+
+def start(launcher: list[str], args: list[str], out: Path, logs: Path, tag: str) -> subprocess.Popen:
+    """``python -m <launcher> -m stages.train_student <args>`` in its own session, on the CPU (no
+    GPU visible), its output in ``<out>/<tag>.log``, every process's reads logged (SITECUSTOMIZE)."""
     instrument = out / "instrument"
     instrument.mkdir(exist_ok=True)
     (instrument / "sitecustomize.py").write_text(SITECUSTOMIZE)
     logs.mkdir(exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NODE_TAG": f"node{node}",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "NODE_TAG": tag, "CUDA_VISIBLE_DEVICES": "",
            "READ_LOG_DIR": str(logs), "PYTHONPATH": os.pathsep.join([str(instrument), str(REPO)])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-               f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id=vocagno-test-{port}", f"--rdzv-conf=is_host={str(node == 0).lower()}",
-               "--max-restarts=0", "-m", "stages.train_student", *args, "train.ddp_backend=gloo",
-               f"hydra.run.dir={out}/hydra/node{node}"]
-    with open(out / f"node{node}.log", "ab") as f:
+    command = [sys.executable, "-m", *launcher, "-m", "stages.train_student", *args, f"hydra.run.dir={out}/hydra/{tag}"]
+    with open(out / f"{tag}.log", "ab") as f:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -126,10 +135,10 @@ def two_nodes(student, scored, out: Path, run: str, steps: int, caches: tuple[Pa
     return [launch(n, port, overrides(student, scored, out, run, steps, caches[n]), out, logs) for n in (0, 1)]
 
 
-def wait_all(procs: list[subprocess.Popen], out: Path) -> None:
+def wait_all(procs: list[subprocess.Popen], out: Path, tags: tuple[str, ...] = ("node0", "node1")) -> None:
     codes = [p.wait(timeout=600) for p in procs]
-    tails = "\n".join((out / f"node{n}.log").read_text()[-3000:] for n in range(2))
-    assert codes == [0, 0], tails
+    tails = "\n".join((out / f"{tag}.log").read_text()[-3000:] for tag in tags)
+    assert codes == [0] * len(procs), tails
 
 
 def descendants(pid: int) -> list[int]:
@@ -216,12 +225,11 @@ def needed_row_groups(scored: Path, student: Path, samples: set[int]) -> set[tup
 
 
 @pytest.mark.long
-def test_two_launchers_train_like_one_process_and_count_once(tiny_student, micro_scored, tmp_path):
+def test_two_launchers_train_like_one_process_and_count_once(one_process, tiny_student, micro_scored, tmp_path):
     """Two nodes with a shared length cache: the per-step losses of one process with the same
     global batch; the token count done once, on global rank 0, reading only ``text``; each rank's
     data-loader workers decode only row groups of documents of samples that rank trains."""
-    steps = 4
-    reference = reference_run(tiny_student, micro_scored, tmp_path, steps)
+    steps, reference = 4, one_process
     cache, logs = tmp_path / "lengths", tmp_path / "reads"
     wait_all(two_nodes(tiny_student, micro_scored, tmp_path, "two-nodes", steps, (cache, cache), logs), tmp_path)
     worst = assert_like_one_process(tmp_path / "two-nodes", reference, steps)
@@ -249,6 +257,67 @@ def test_two_launchers_train_like_one_process_and_count_once(tiny_student, micro
         assert decoded[rank], f"rank {rank} decoded nothing"
         assert decoded[rank] <= needed_row_groups(micro_scored, tiny_student, rank_samples(rank, steps)), rank
     assert decoded[0] | decoded[1] < all_groups, "a short run leaves some shards unread"
+
+
+# docs/multi-node.md's commands for two processes on one CPU machine, with a free port (tests run side
+# by side); accelerate starts several processes only with --multi_gpu, its name for data parallel
+ONE_NODE_LAUNCHERS = {
+    "torchrun": lambda port: ["torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"],
+    "accelerate launch": lambda port: ["accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
+                                       f"--main_process_port={port}"],
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_student, micro_scored, tmp_path_factory) -> Path:
+    """The reference: one process, the same global batch (8 sequences a step), 4 steps."""
+    return reference_run(tiny_student, micro_scored, tmp_path_factory.mktemp("one-process"), 4)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("launcher", list(ONE_NODE_LAUNCHERS))
+def test_one_node_launched_as_the_docs_show_is_one_run(launcher, one_process, tiny_student, micro_scored, tmp_path):
+    """Two processes on the CPU, launched as docs/multi-node.md shows, without ``train.use_cpu`` or
+    a backend: each trains its own micro-batches of every global batch, the per-step losses are
+    those of one process with the same global batch (not those of one process with half of it,
+    which two processes each training the whole batch alone would log), only global rank 0 writes
+    the checkpoints and ``final/``, and the summary's tokens are the ones trained."""
+    steps, logs = 4, tmp_path / "reads"
+    args = overrides(tiny_student, micro_scored, tmp_path, "run", steps, tmp_path / "lengths")
+    proc = start(ONE_NODE_LAUNCHERS[launcher](free_port()), args, tmp_path, logs, "launch")
+    wait_all([proc], tmp_path, ("launch",))
+    run = tmp_path / "run"
+    print(f"largest relative difference from one process: {assert_like_one_process(run, one_process, steps):.3g}")
+
+    trained = {rank: set() for rank in (0, 1)}
+    for r in read_log(logs):
+        if r["what"] == "samples":
+            trained[r["rank"]].update(r["indices"])
+    assert trained == {rank: rank_samples(rank, steps) for rank in (0, 1)}, "each rank its own micro-batches"
+    assert complete_steps(run) == [3, 4] and (run / "final" / "model.safetensors").is_file()
+    assert not list(run.glob(".*tmp*")), "nothing left half-written"
+    summary = json.loads((run / "summary.json").read_text())
+    samples_trained = sum(r["sample_last"] - r["sample_first"] + 1 for r in metrics(run))
+    assert summary["tokens_per_step"] == GLOBAL_SAMPLES * SEQ
+    assert summary["tokens_trained"] == samples_trained * SEQ == steps * GLOBAL_SAMPLES * SEQ
+    log = (tmp_path / "launch.log").read_text()
+    assert f"{steps} ({GLOBAL_SAMPLES * SEQ} tokens each)" in log and "parallel_mode" not in log
+
+
+def test_a_world_size_without_a_launcher_is_refused_in_one_line(tiny_student, micro_scored, tmp_path):
+    """``WORLD_SIZE`` above 1 in the shell without a launcher's rank and rendezvous address: one line
+    naming them and the way out, exit status 2, before anything is written."""
+    args = overrides(tiny_student, micro_scored, tmp_path, "run", 4, tmp_path / "lengths")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, "-m", "stages.train_student", *args, f"hydra.run.dir={tmp_path}/hydra"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**env, "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "", "VOCAGNO_TRACEBACK": ""})
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0] == ("error: WORLD_SIZE=2 but RANK and MASTER_ADDR unset: not a launch of 2 processes by torchrun "
+                        "or accelerate launch, which set them all (docs/multi-node.md); launch with one of them, or "
+                        "unset WORLD_SIZE to train in one process")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "lengths").exists()
 
 
 def complete_steps(run: Path) -> list[int]:
