@@ -19,6 +19,7 @@ wraps the entry point's ``main``:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -36,13 +37,13 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.utils import to_absolute_path
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.table import Table
 
 from pipeline.runtime.config import ConfigError, Interrupted, UserError, build, handling, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
-from pipeline.folders.output_folder import storage_error
+from pipeline.folders.output_folder import check_writable, storage_error
 from pipeline.runtime.quiet import quiet_third_party
 from storage_schemas import ContractError, dataset_dir
 from storage_schemas import filesystem as sfs
@@ -256,12 +257,34 @@ def entry_point(config_name: str, defaults: dict | None, check: Callable[[DictCo
         def run() -> Any:
             args = expand_home(sys.argv[1:])
             sys.argv[1:] = exit_on_user_error(check_command_line)(config_dir, config_name, args, check)
+            exit_on_user_error(check_writable)({"hydra.run.dir": log_dir(config_dir, config_name, sys.argv[1:])})
             return hydra_main()
 
         run.check = check
         return run
 
     return decorate
+
+
+def log_dir(config_dir: Path, config_name: str, args: list[str]) -> str | None:
+    """The part of Hydra's log folder (``hydra.run.dir``, given or the YAML's) that is known before
+    Hydra runs: up to its first interpolation (``outputs/logs/score_teacher`` of
+    ``outputs/logs/score_teacher/${now:...}``); None for Hydra's own modes (``-m``, ``--cfg``)."""
+    if any(a.startswith("-") for a in args):
+        return None
+    given = [a.split("=", 1)[1] for a in args if a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" and "=" in a]
+    if given:
+        text = given[-1]
+    else:
+        try:  # as written: ${now:...} is Hydra's, unknown until it runs
+            tree = OmegaConf.to_container(OmegaConf.load(config_dir / f"{config_name}.yaml"), resolve=False)
+        except (OSError, OmegaConfBaseException):
+            return None
+        text = ((tree.get("hydra") or {}).get("run") or {}).get("dir") if isinstance(tree, dict) else None
+    if not isinstance(text, str):
+        return None
+    known = text.split("${", 1)[0]
+    return known if "${" not in text else known.rsplit("/", 1)[0] if "/" in known else None
 
 
 def check_command_line(config_dir: Path, config_name: str, args: list[str], check: Callable[[DictConfig], Any]) -> list[str]:
@@ -357,6 +380,44 @@ def unknown_key(cfg: DictConfig, key: str) -> str:
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# A teacher of your own
+
+TINY_NAME = "tiny"  # the embedded tiny teacher's teacher.name (conf/teacher/tiny.yaml)
+
+
+def named_teacher(cfg: DictConfig, say: bool = False) -> DictConfig:
+    """``cfg`` with a teacher of your own that still bears the tiny teacher's name named after its
+    file or folder (:func:`teacher_slug`), so that its dataset is never filed or carded as the tiny
+    teacher's: a GGUF file (``teacher.model=x.gguf``: never the embedded teacher, so
+    ``teacher.embedded`` is false too), or any other model with ``teacher.embedded=false``. A name
+    given (``teacher.name=...``) is kept. ``say``: print the name chosen on stderr."""
+    from pipeline.embedded import tiny_teacher_dir  # lazy: only where a teacher is configured
+
+    t = cfg.get("teacher") or {}
+    model = t.get("model")
+    if t.get("name") != TINY_NAME or not isinstance(model, str) or not model:
+        return cfg
+    built = t.get("build") and tiny_teacher_dir(cfg.artifacts_dir, t.build.corpus_docs, t.build.seed)
+    if not model.endswith(".gguf") and (t.get("embedded") or (built and same_path(model, built))):
+        return cfg  # the tiny teacher itself, or refused by the stage with what to add
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.teacher.name, cfg.teacher.embedded = teacher_slug(model), False
+    if say:
+        print(f"teacher.name not given: this teacher is filed as {cfg.teacher.name!r}, after {model} "
+              "(teacher.name=<a name> to choose another)", file=sys.stderr)
+    return cfg
+
+
+def teacher_slug(model: str) -> str:
+    """A teacher's name from its model: a file's name without ``.gguf``, a folder's name, a hub id's
+    last part; lower case, other characters than letters, digits, ``.``, ``_`` and ``-`` as ``-``."""
+    name = Path(model.rstrip("/")).name
+    name = name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "teacher"
 
 
 def duration(seconds: float) -> str:

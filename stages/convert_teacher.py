@@ -16,8 +16,9 @@ from omegaconf import DictConfig
 
 from pipeline.runtime.config import ConfigError, defaults
 from pipeline.folders.model_source import check_teacher_source, convert_gguf, convert_to_safetensors
+from pipeline.folders.output_folder import check_writable
 from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
-from stages.common import build, entry_point, make_command, override, plain, quiet_libraries, raise_if
+from stages.common import build, entry_point, make_command, named_teacher, override, plain, quiet_libraries, raise_if
 
 
 def teacher_config(cfg: DictConfig) -> TeacherConfig:
@@ -30,7 +31,9 @@ def teacher_config(cfg: DictConfig) -> TeacherConfig:
 @entry_point("convert_teacher", {"teacher": defaults(TeacherConfig)}, check=teacher_config)
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
+    preset, cfg = cfg.teacher.name, named_teacher(cfg, say=True)  # a GGUF of your own: named after its file
     teacher = teacher_config(cfg)
+    check_writable({"out_dir": to_absolute_path(cfg.out_dir)})
     if teacher.model.endswith(".gguf"):
         if not os.path.isfile(os.path.expanduser(teacher.model)):
             raise ConfigError(f"teacher.model: no such GGUF file: {teacher.model}")
@@ -40,7 +43,8 @@ def main(cfg: DictConfig) -> None:
         out = convert_to_safetensors(teacher.model, to_absolute_path(cfg.out_dir), revision=teacher.revision,
                                      trust_remote_code=teacher.trust_remote_code)
     print(f"safetensors copy of {teacher.model} written to {out}")
-    print("score with: " + make_command("score-teacher", override("teacher", cfg.teacher.name),
+    named = [override("teacher.embedded", "false"), override("teacher.name", teacher.name)] if teacher.name != preset else []
+    print("score with: " + make_command("score-teacher", override("teacher", preset), *named,
                                         override("teacher.model", out)))
 
 

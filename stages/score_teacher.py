@@ -24,6 +24,7 @@ from rich.console import Console
 from pipeline.embedded import ensure_sample_corpus, ensure_tiny_teacher, sample_corpus_dir, tiny_teacher_dir
 from pipeline.embedded.tiny_teacher import TinyTeacherSpec
 from pipeline.folders.model_source import check_teacher_source, check_tokenizer_source, resolve_gguf_teacher
+from pipeline.folders.output_folder import check_writable
 from pipeline.folders.rehearsal import NOTE as REHEARSAL_NOTE
 from pipeline.folders.rehearsal import REHEARSAL_BACKEND
 from pipeline.score_teacher.job import (
@@ -45,6 +46,7 @@ from stages.common import (
     ConfigError,
     duration,
     entry_point,
+    named_teacher,
     make_command,
     override,
     plain,
@@ -63,12 +65,11 @@ log = logging.getLogger("score_teacher")
 
 def job_config(cfg: DictConfig) -> ScoreJobConfig:
     """The typed job; every problem in the config is reported at once (:func:`score_job_config`)."""
+    cfg = named_teacher(cfg)
     return with_problems(embedded_problems(cfg), lambda: score_job_config(plain(cfg)))
 
 
 SAMPLE_NAME = "owm-sample"  # the embedded sample's data.name (conf/data/sample.yaml)
-
-
 def embedded_problems(cfg: DictConfig) -> list[str]:
     """Your own corpus files or teacher given while the embedded sample or tiny teacher is chosen:
     the corpus would be labelled (and its folder named) as the sample, the teacher ignored."""
@@ -93,6 +94,14 @@ def embedded_problems(cfg: DictConfig) -> list[str]:
                          "with that model, add teacher.embedded=false and teacher.name=<its name>, or pick a preset "
                          "(teacher=deepseekmath-7b ...)")
     return found
+
+
+def output_folders(cfg: DictConfig, job: ScoreJobConfig) -> dict[str, str]:
+    """The folders the run writes: the scored dataset's, and ``artifacts_dir`` where it does not
+    exist yet (the embedded default and a GGUF teacher's converted copy are built there; a cache
+    that exists may be read-only)."""
+    artifacts = to_absolute_path(cfg.artifacts_dir)
+    return {"output_dir": job.output_dir, **({} if os.path.isdir(artifacts) else {"artifacts_dir": artifacts})}
 
 
 def build_embedded(cfg: DictConfig) -> None:
@@ -249,6 +258,8 @@ def rate_source(p: ScorePlan, job: ScoreJobConfig, why: str) -> str:
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)
+    cfg = named_teacher(cfg, say=True)  # as job_config named it
+    check_writable(output_folders(cfg, job))  # one line before anything is built, loaded or started
     build_embedded(cfg)
     if job.scorer.backend != REHEARSAL_BACKEND:  # a GGUF teacher: its converted folder (pipeline.folders.model_source)
         job = replace(job, teacher=resolve_gguf_teacher(job.teacher, to_absolute_path(cfg.artifacts_dir)))

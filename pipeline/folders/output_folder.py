@@ -24,12 +24,13 @@ import errno
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from pipeline.runtime.config import UserError
+from pipeline.runtime.config import UserError, raise_if
 from pipeline.folders.folder_lock import LOCK_NAME
 from storage_schemas import filesystem as sfs
 
@@ -196,6 +197,53 @@ def recover(folder: str | os.PathLike, owned: Owned) -> list[str]:
         log.warning("%s: put back its previous contents (%s), set aside by an overwrite that was stopped before "
                     "its run started", folder, describe(restored))
     return restored
+
+
+# ---------------------------------------------------------------------------------------------
+# A folder that cannot be made or written
+
+
+def unwritable_problem(path: str | os.PathLike | None, setting: str = "output_dir") -> str | None:
+    """Why no folder can be made, or written in, at ``path`` (``setting`` names it in the line),
+    found before any work: a file is there or on its way (``/x/notes.txt/out``), or the file system
+    refuses (``/proc/out``, a read-only or forbidden folder). None: it can, or ``path`` is empty or
+    on an object store. Nothing is left behind: the folder that would be made first is made and
+    removed again, or, where the folder exists, a hidden file is made in it and removed."""
+    if not path or sfs.is_remote(os.fspath(path)):
+        return None
+    target = Path(os.path.expanduser(os.fspath(path))).absolute()
+    where = f"{setting} {os.fspath(path)}"
+    try:
+        present = target
+        while not present.exists() and not present.is_symlink() and present != present.parent:
+            present = present.parent
+        if not present.is_dir():
+            what = "is a file, not a folder" if present.is_file() else "is not a folder"
+            if present == target:
+                return f"{where}: {what}; choose another {setting}"
+            return f"{where}: cannot be made, {present} {what}; choose another {setting}"
+        if present == target:
+            with tempfile.NamedTemporaryFile(dir=target, prefix=".write-check-"):
+                pass
+        else:
+            first = target
+            while first.parent != present:
+                first = first.parent
+            first.mkdir()
+            first.rmdir()
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        if present == target:
+            return f"{where}: no file can be written in it ({why}); choose another {setting}"
+        return f"{where}: cannot be made ({why}: {exc.filename or present}); choose another {setting}"
+    return None
+
+
+def check_writable(paths: Mapping[str, "str | os.PathLike | None"]) -> None:
+    """Raise :class:`pipeline.runtime.config.ConfigError` (one line each, exit status 2 in an entry
+    point) for every ``setting -> path`` of ``paths`` where no folder can be made or written
+    (:func:`unwritable_problem`); call it before any work, with every folder the command writes."""
+    raise_if([p for setting, path in paths.items() if (p := unwritable_problem(path, setting))])
 
 
 # ---------------------------------------------------------------------------------------------

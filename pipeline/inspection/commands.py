@@ -62,7 +62,7 @@ from pipeline.inspection.validate import validate_dataset
 from pipeline.inspection.vocab_overlap import load_vocabulary, vocab_overlap
 from pipeline.method.loss_histogram import DEFAULT_BIN_WIDTH
 from pipeline.folders.model_source import check_tokenizer_source
-from pipeline.folders.output_folder import overlap_problem
+from pipeline.folders.output_folder import check_writable, overlap_problem
 from pipeline.method.tokenization import encode, load_tokenizer
 from storage_schemas import ContractError, filesystem, read_manifest, strict_json
 from storage_schemas import filesystem as sfs
@@ -75,6 +75,7 @@ REMOTE_OUT_ROOT = "outputs/inspect"  # default output root for a dataset on an o
 OVERLAP_OUT_DIR = "outputs/inspect/vocab-overlap"  # vocab-overlap without a dataset
 NEEDS_PATH = ("summary", "validate", "align-report", "html", "plots", "card", "two-teachers", "compare")
 NEEDS_STUDENT = ("vocab-overlap", "align-report", "two-teachers")
+WRITES_FILES = ("html", "plots")  # their files are what they make; the others print what they find
 
 
 def default_out_dir(folder) -> Path:
@@ -270,6 +271,8 @@ class Context:
             self.out_dir = Path(resolve(str(default_out_dir(self.path))))
         else:
             self.out_dir = Path(resolve(OVERLAP_OUT_DIR))
+        if cfg.out_dir or cfg.command in WRITES_FILES:  # else a report that cannot be saved is still printed
+            check_writable({"out_dir": self.out_dir})
         self._dataset = None
         self._summary = None
 

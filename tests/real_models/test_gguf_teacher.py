@@ -86,3 +86,21 @@ def test_a_missing_gguf_package_is_one_line_naming_the_install(tmp_path):
     with pytest.raises(TeacherSourceError, match="no such GGUF file"):
         resolve_gguf_teacher(TeacherConfig(name="x", model=str(tmp_path / "absent.gguf")), tmp_path)
     assert not any(tmp_path.iterdir())  # nothing converted, nothing written
+
+
+@pytest.mark.long
+def test_a_gguf_file_without_a_name_is_filed_and_carded_after_the_file(scored, smollm2_gguf):
+    """``teacher.model=<file>.gguf`` alone (the tiny teacher's preset still chosen): filed and carded as
+    the file's name, never as ``tiny``; the conversion the first run made is found, not made again."""
+    work = scored
+    run = stage("stages.score_teacher", f"teacher.model={smollm2_gguf}", f"teacher.window={WINDOW}",
+                f"teacher.stride={STRIDE}", "data.source=files", f"data.files=[{work / 'pages.jsonl'}]",
+                "data.embedded=false", "data.name=real-pages", f"artifacts_dir={work / 'artifacts'}",
+                f"output_root={work / 'scored'}", "progress=false", "ray.num_cpus=1", "pool.num_actors=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    name = smollm2_gguf.name.removesuffix(".gguf").lower()  # SmolLM2-135M-Instruct.Q4_1.gguf
+    folder = work / "scored" / "real-pages" / name / "v1"
+    assert json.loads((folder / "manifest.json").read_text())["identity"]["teacher"]["name"] == name
+    assert f"| name | `{name}` |" in (folder / "README.md").read_text()
+    assert sorted(p.name for p in (work / "scored" / "real-pages").iterdir()) == sorted(["smollm2-135m", name])
+    assert "converting" not in run.stdout

@@ -155,7 +155,7 @@ def test_a_read_only_output_folder_is_one_line(micro_teacher, micro_corpus, tmp_
     out = tiny_filesystem(64, read_only=True) / "ds"
     result = stage1(tmp_path, "teacher.embedded=false", "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.stride=null",
                     "data.embedded=false", "data.name=micro", f"data.files=[{micro_corpus[0]}]", f"output_dir={out}")
-    one_line(result, f"Read-only file system ({out})", "output_dir=<a writable folder>")
+    assert one_line(result) == f"error: output_dir {out}: cannot be made (Read-only file system: {out}); choose another output_dir"
 
 
 @pytest.mark.slow
