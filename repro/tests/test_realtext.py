@@ -87,3 +87,40 @@ def test_bad_inputs_are_named(tmp_path):
     with pytest.raises(ConfigError, match="other: no text column"):
         build_real_corpus(RealCorpusConfig(files=[str(tmp_path / "other.parquet")]), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_four_splits_keep_questions_together_and_evaluation_sets_apart(tmp_path):
+    """Forum posts whose answers share a question (url), GSM8K's train and test questions: no url in two
+    splits, GSM8K's held-out text is its test questions only, the warm-up text never overlaps the
+    training text, and a larger warm-up budget changes neither the training nor the held-out text."""
+    rng = random.Random(5)
+    forum = [{"id": f"forum-{i}", "text": f"answer {i} " + "y" * rng.randint(20, 300), "source": "s", "license": "L",
+              "url": f"https://q/{i // 3}"} for i in range(400)]  # three answers per question
+    pq.write_table(pa.Table.from_pylist(forum), tmp_path / "forum.parquet")
+    gsm = [{"id": f"gsm8k-{'test' if i % 4 == 0 else 'train'}-{i}", "text": f"q {i}?\n\nanswer {i}", "source": "s",
+            "license": "MIT", "url": None} for i in range(400)]
+    pq.write_table(pa.Table.from_pylist(gsm), tmp_path / "gsm8k.parquet")
+    files = [str(tmp_path / "forum.parquet"), str(tmp_path / "gsm8k.parquet")]
+
+    def build(warmup: int, out: str) -> dict[str, list[dict]]:
+        cfg = RealCorpusConfig(files=files, group_by="url", held_out_evaluation_only=["gsm8k"],
+                               train_chars={"forum": 15_000, "gsm8k": 1_500}, held_out_chars=4_000, held_out_share=0.1,
+                               tune_share=0.1, tune_chars=2_000, warmup_chars={"forum": warmup, "gsm8k": warmup // 10})
+        build_real_corpus(cfg, tmp_path / out)
+        return {s: read(tmp_path / out, s) for s in ("train", "held_out", "tune", "warmup")}
+
+    small, large = build(10_000, "a"), build(30_000, "b")
+    for splits in (small, large):
+        urls = {s: {r["url"] for r in rows if r["url"]} for s, rows in splits.items()}
+        ids = {s: {r["id"] for r in rows} for s, rows in splits.items()}
+        for a in splits:
+            for b in splits:
+                if a < b:
+                    assert not urls[a] & urls[b], (a, b)
+                    assert not ids[a] & ids[b], (a, b)
+        held_gsm = [r["id"] for r in splits["held_out"] if r["origin"] == "gsm8k"]
+        assert held_gsm and all(i.startswith("gsm8k-test-") for i in held_gsm)
+        assert not [r for s in ("train", "tune", "warmup") for r in splits[s] if r["id"].startswith("gsm8k-test-")]
+        assert splits["tune"] and splits["warmup"]
+    assert small["train"] == large["train"] and small["held_out"] == large["held_out"]
+    assert len(large["warmup"]) > len(small["warmup"])
