@@ -28,8 +28,9 @@ Commands (``command=``):
 * ``compare``, ``path=<dataset> other=<dataset>``: the same corpus scored twice (another backend,
   dtype, storage or cluster): documents, ids and offsets must be equal; losses compared per token
   (max / p99 / mean |difference|, the share of tokens whose top-``compare.ratio`` selection flips),
-  tokens scored with another left context counted apart; exit status 1 past ``compare.max_abs`` /
-  ``compare.flip_share`` (:mod:`pipeline.inspection.parity`).
+  tokens scored with another left context counted apart; only the shards both folders hold; exit
+  status 1 past ``compare.max_abs`` / ``compare.flip_share`` (:mod:`pipeline.inspection.parity`).
+  Writes ``compare/<corpus>--<teacher>--<digest of other's location>.json`` (:func:`result_name`).
 
 Outputs go to ``out_dir`` (default ``<dataset>/inspect``; for a dataset on an object store the
 local ``outputs/inspect/<scheme>/<bucket>/<key>``; ``outputs/inspect/vocab-overlap`` for an overlap
@@ -39,6 +40,7 @@ without a dataset); every file written is printed. ``path`` may be a local folde
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -463,9 +465,16 @@ def cmd_compare(ctx: Context) -> int:
         over.append(f"{parity.same_context.nan_mismatch} token(s) NaN in one folder only")
     for item in terminal.parity_renderables(parity, over):
         ctx.console.print(item)
-    write_json(ctx.out_dir / "compare" / f"{tokenizer_slug(str(other.folders[0].path))}.json",
-               {**parity.to_dict(), "over_tolerance": over}, ctx.console)
+    write_json(ctx.out_dir / "compare" / f"{result_name(other)}.json", {**parity.to_dict(), "over_tolerance": over},
+               ctx.console)
     return 1 if over else 0
+
+
+def result_name(other: ScoredDataset) -> str:
+    """The name of a comparison's result with ``other``: its corpus and teacher, and a digest of where
+    it is (scored folders all end in ``v1``, and one corpus and teacher may be scored in several places)."""
+    where = hashlib.sha256(str(other.folders[0].path).encode()).hexdigest()[:8]
+    return f"{tokenizer_slug(other.name)}--{where}"
 
 
 COMMANDS: dict[str, Callable[[Context], int]] = {

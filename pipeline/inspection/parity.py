@@ -17,16 +17,21 @@ window, stride or BOS, so the token was predicted from another left context,
 :mod:`pipeline.method.windows`) are counted apart, in their own statistics: a difference there is the
 window plan's, not the engine's. A token with a NaN loss in one folder and not the other is
 counted as a mismatch of its own.
+
+Only the **shards both folders hold** are compared, paired by file name, when both planned their
+shards alike (the same ``rows_per_shard``): a folder scored in part (``limit_shards``, a shard
+given up) is compared on what it has, and the shards only one folder holds are named apart.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from pipeline.method.windows import plan_windows
+from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset
 
 # |difference| histogram: log-spaced bins from 1e-9 to 1e3 nats (p99 within one bin, 1%).
@@ -85,9 +90,12 @@ class Parity:
     windows: tuple[dict, dict] = ({}, {})
     mismatches: list[str] = field(default_factory=list)  # documents, ids or offsets that differ (first few)
     n_mismatched: int = 0
+    shards: int = 0  # shard files compared (held by both)
+    only_in: tuple[list[str], list[str]] = ([], [])  # shard files held by the first folder only, the second only
 
     def to_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "ratio": self.ratio, "documents": self.documents,
+        return {"a": self.a, "b": self.b, "ratio": self.ratio, "documents": self.documents, "shards": self.shards,
+                "shards_only_in_a": self.only_in[0], "shards_only_in_b": self.only_in[1],
                 "same_context": self.same_context.to_dict(), "context_differs": self.context_differs.to_dict(),
                 "windows": {"a": self.windows[0], "b": self.windows[1]},
                 "mismatched_documents": self.n_mismatched, "mismatches": self.mismatches}
@@ -123,10 +131,30 @@ def _plan(dataset: ScoredDataset) -> dict:
             "bos": (identity.get("teacher") or {}).get("bos_id") is not None}
 
 
+def shared_shards(a: ScoredDataset, b: ScoredDataset) -> tuple[ScoredDataset, ScoredDataset, list[str], list[str]]:
+    """``a`` and ``b`` cut to the shards both hold (by file name, in ``a``'s order), and the names of
+    those only ``a`` and only ``b`` holds; both whole where they planned their shards otherwise (another
+    ``rows_per_shard``: a shard's name then means other documents)."""
+    def rows(d: ScoredDataset):
+        return (d.folders[0].identity.get("corpus") or {}).get("rows_per_shard")
+
+    if rows(a) is None or rows(a) != rows(b):
+        return a, b, [], []
+    names_a, names_b = [sfs.name(s.path) for s in a.shards], [sfs.name(s.path) for s in b.shards]
+    both = [n for n in names_a if n in set(names_b)]
+    by_name = dict(zip(names_b, b.shards))
+    return (replace(a, shards=[s for n, s in zip(names_a, a.shards) if n in set(both)]),
+            replace(b, shards=[by_name[n] for n in both]),
+            [n for n in names_a if n not in set(both)], [n for n in names_b if n not in set(both)])
+
+
 def compare_folders(a: ScoredDataset, b: ScoredDataset, ratio: float = 0.4, limit_docs: int | None = None,
                     named: int = 10) -> Parity:
-    """Compare ``a`` and ``b`` document for document, in dataset order (module docstring)."""
+    """Compare ``a`` and ``b`` document for document, in dataset order, over the shards both hold
+    (module docstring)."""
     result = Parity(a=str(a.folders[0].path), b=str(b.folders[0].path), ratio=ratio, windows=(_plan(a), _plan(b)))
+    a, b, *only = shared_shards(a, b)
+    result.shards, result.only_in = len(a.shards), (only[0], only[1])
     same_plan = result.windows[0] == result.windows[1]
     docs_b = b.iter_documents(limit=limit_docs)
     for da in a.iter_documents(limit=limit_docs):

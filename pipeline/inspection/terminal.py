@@ -192,7 +192,10 @@ def align_renderables(r: AlignReport) -> list:
 def parity_renderables(p, over: list[str]) -> list:
     """The comparison of two scored folders (:class:`pipeline.inspection.parity.Parity`)."""
     wa, wb = p.windows
-    rows = [("first", p.a), ("second", p.b), ("documents", f"{p.documents:,} compared, {p.n_mismatched} differing"),
+    held = "".join(f"; {len(names)} in the {which} only ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})"
+                   for which, names in zip(("first", "second"), p.only_in) if names)
+    rows = [("first", p.a), ("second", p.b), ("shards", f"{p.shards:,} held by both, compared{held}"),
+            ("documents", f"{p.documents:,} compared, {p.n_mismatched} differing"),
             ("windows", f"{wa.get('window')}/{wa.get('stride')} vs {wb.get('window')}/{wb.get('stride')}"
                         + ("" if wa == wb else " (another plan: tokens with another context counted apart)"))]
     for title, d in (("same context", p.same_context.to_dict()), ("context differs", p.context_differs.to_dict())):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,8 +100,9 @@ def test_other_token_ids_are_named_and_the_cli_exits_1(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "d1: token ids differ (first at token 9)" in run.stdout
-    saved = json.loads((tmp_path / "out" / "compare" / "b.json").read_text())
-    assert saved["mismatched_documents"] == 1 and saved["documents"] == 3
+    (path,) = (tmp_path / "out" / "compare").iterdir()
+    saved = json.loads(path.read_text())
+    assert saved["mismatched_documents"] == 1 and saved["documents"] == 3 and saved["b"] == str(b)
 
 
 def test_tolerances_decide_the_exit_status(tmp_path):
@@ -129,3 +131,40 @@ def test_tokens_scored_with_another_context_are_counted_apart(tmp_path):
     differ = sum(start(p_ + 1, 8, 4) != start(p_ + 1, 8, 6) for p_ in range(40)) * len(docs)
     assert p.context_differs.tokens == differ > 0
     assert p.same_context.tokens == 4 * 40 - differ
+
+
+def scored_shards(path: Path, docs: list[ScoredDocument], held: list[int], per_shard: int = 2) -> Path:
+    """A folder of ``docs`` in shards of ``per_shard`` documents, holding only the shards ``held``."""
+    identity = {"teacher": {"name": "t", "bos_id": 1}, "corpus": {"name": "c", "rows_per_shard": per_shard},
+                "windows": {"window": 8, "stride": 4, "min_left_context": 4}}
+    path.mkdir(parents=True)
+    exact = StorageConfig(loss_precision="float32")
+    done = {i: write_shard(path, i, ShardResult(documents=docs[i * per_shard:(i + 1) * per_shard]), identity,
+                           {"index": i}, "t", storage=exact) for i in held}
+    write_manifest(path, identity, done, len(docs) // per_shard, "t")
+    return path
+
+
+def test_the_shards_both_folders_hold_are_compared_and_each_other_folder_has_its_own_result(tmp_path):
+    """A complete folder against one scored in part (its shard 1 missing) and against another that
+    lacks shard 0: each comparison pairs the shards both hold, names the rest, and passes; every
+    folder ends in v1, yet each comparison's result is a file of its own."""
+    docs = documents(n_docs=6)
+    a = scored_shards(tmp_path / "x" / "c" / "t" / "v1", docs, [0, 1, 2])
+    b = scored_shards(tmp_path / "y" / "c" / "t" / "v1", docs, [0, 2])
+    c = scored_shards(tmp_path / "z" / "c" / "t" / "v1", docs, [1, 2])
+    out = tmp_path / "out"
+    for other, shared, only in ((b, 2, "shard-000001.parquet"), (c, 2, "shard-000000.parquet")):
+        run = subprocess.run([sys.executable, "-m", "stages.inspect", "command=compare", f"path={a}", f"other={other}",
+                              f"out_dir={out}", f"hydra.run.dir={tmp_path / 'logs'}", "compare.max_abs=0"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "300"})
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert f"{shared} held by both, compared; 1 in the first only ({only})" in run.stdout, run.stdout
+        assert "within tolerance" in run.stdout
+    results = {json.loads(p.read_text())["b"]: json.loads(p.read_text()) for p in (out / "compare").iterdir()}
+    assert sorted(results) == sorted([str(b), str(c)]), "one result per folder compared"
+    for other, only in ((b, ["shard-000001.parquet"]), (c, ["shard-000000.parquet"])):
+        saved = results[str(other)]
+        assert saved["documents"] == 2 * 2 and saved["shards"] == 2 and saved["mismatched_documents"] == 0
+        assert saved["shards_only_in_a"] == only and saved["shards_only_in_b"] == []
+        assert saved["same_context"]["tokens"] == 4 * 30 and saved["same_context"]["max_abs"] == 0.0
