@@ -504,7 +504,7 @@ def warmup_progress(run_folder: Path, steps: int) -> dict:
 def plan_lines(study: WarmStudyConfig, work: Path) -> list[str]:
     """Every run of the study with its state, and the time left (module docstring); reads only
     what earlier invocations wrote."""
-    lines, left = [], 0.0
+    lines, left, untimed = [], 0.0, []
     for student in study.chosen_students():
         spec = study.students[student]
         w = warmup_progress(work / "warmup" / student, spec.warmup.steps)
@@ -514,6 +514,8 @@ def plan_lines(study: WarmStudyConfig, work: Path) -> list[str]:
             rate = w["seconds_per_step"]
             eta = (spec.warmup.steps - w["step"]) * rate if rate else None
             left += eta or 0.0
+            if eta is None:
+                untimed.append(f"{student}'s warm-up")
             state = (f"to do, at step {w['step']} of {spec.warmup.steps}"
                      + (f", about {eta / 60:.0f} min left ({rate:.1f} s a step)" if eta else ", time not measured yet"))
         lines.append(f"{student}: warm-up ({spec.warmup.steps} steps of cpt): {state}")
@@ -544,11 +546,13 @@ def plan_lines(study: WarmStudyConfig, work: Path) -> list[str]:
             todo += len(comp) - len(cdone)
         if per_run is None:
             lines.append(f"{student}: {todo} runs to do; their time is measured once one has finished")
+            untimed.append(f"{todo} runs of {student}")
         else:
             left += todo * per_run / study.parallel
             lines.append(f"{student}: {todo} runs to do, {per_run / 60:.1f} min each as measured "
                          f"({len(finished)} finished), {study.parallel} at a time")
-    lines.append(f"time left, as measured so far: about {left / 3600:.1f} h on this machine")
+    lines.append(f"time left, as measured so far: about {left / 3600:.1f} h on this machine"
+                 + (f", plus what is not timed yet ({', '.join(untimed)})" if untimed else ""))
     return lines
 
 
