@@ -97,6 +97,7 @@ class SummarySettings:
     bin_width: float = DEFAULT_BIN_WIDTH  # loss histogram bin (nats): quantiles are exact to within one bin
     show_document: bool = True  # print one document coloured by loss, and its highest-loss tokens
     max_chars: int = 3000
+    checksums: bool = True  # each shard's sha256 against the manifest's (reads every byte): a damaged one is named
 
     def problems(self) -> list[str]:
         found: list[str] = []
@@ -288,7 +289,10 @@ class Context:
         if self._summary is None:
             s = self.cfg.summary
             self._summary = summarize(self.dataset, top_k=s.top_k, min_tokens=s.min_tokens,
-                                      quantiles=tuple(s.quantiles), bin_width=s.bin_width)
+                                      quantiles=tuple(s.quantiles), bin_width=s.bin_width, checksums=s.checksums)
+            if self._summary.damaged:  # what is shown later (a document, a page) comes from the sound shards
+                self._dataset = replace(self.dataset, shards=[p for p in self.dataset.shards
+                                                              if sfs.name(p.path) not in self._summary.damaged])
         return self._summary
 
     def loss_scale(self):

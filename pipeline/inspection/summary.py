@@ -25,7 +25,7 @@ from the manifest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import polars as pl
 
@@ -37,7 +37,7 @@ from pipeline.method.loss_histogram import (
 )
 from storage_schemas import SKIP_REASONS, ZERO_TOKEN_REASONS
 from storage_schemas import filesystem as sfs
-from storage_schemas.reader import ScoredDataset
+from storage_schemas.reader import ScoredDataset, shard_problems
 
 ENGINE = "streaming"  # polars' streaming engine: bounded memory for scans, explodes and group-bys
 
@@ -74,6 +74,7 @@ class DatasetSummary:
     histogram: LossHistogram
     min_tokens: int = 1
     teacher: dict = field(default_factory=dict)
+    damaged: dict[str, str] = field(default_factory=dict)  # shard file -> what is wrong with it; left out of the rest
 
     @property
     def bytes_per_token(self) -> float:
@@ -167,26 +168,54 @@ def _merge(running: Partial | None, new: Partial, top_k: int) -> Partial:
     return highest, lowest, hist
 
 
+def _shard_figures(frame: pl.LazyFrame, top_k: int, min_tokens: int, bin_width: float) -> tuple[pl.DataFrame, Partial]:
+    """One shard's row of the per-shard table, and its extremes and histogram (one pass over it)."""
+    stats = per_document_stats(frame)
+    hi, lo = _extremes(stats, top_k, min_tokens)
+    shard, hi, lo, h = pl.collect_all([_per_shard_query(stats), hi, lo, loss_histogram_query(frame, bin_width)],
+                                      engine=ENGINE)
+    return shard, (hi, lo, h)
+
+
+def damaged_shards(dataset: ScoredDataset, checksums: bool = True) -> dict[str, str]:
+    """The listed shards that do not hold what the manifest records, each with its first problem
+    (:func:`storage_schemas.reader.shard_problems`: missing, another size or, with ``checksums``,
+    another sha256, an unreadable footer, another identity or row count)."""
+    found, held = {}, {sfs.name(p) for p in dataset.shard_paths}
+    for entry in [e for e in dataset.entries if e["file"] in held]:
+        problems = shard_problems(dataset.folder, entry, dataset.manifest, checksum=checksums).problems
+        if problems:
+            found[entry["file"]] = "; ".join(p for _, p in problems)
+    return found
+
+
 def summarize(
     dataset: ScoredDataset,
     top_k: int = 10,
     min_tokens: int = 16,
     quantiles: tuple[float, ...] = DEFAULT_QUANTILES,
     bin_width: float = DEFAULT_BIN_WIDTH,
+    checksums: bool = True,
 ) -> DatasetSummary:
-    """The dataset's summary; extremes only among documents with ``>= min_tokens`` tokens."""
-    frames = [pl.scan_parquet(str(p)).with_columns(file=pl.lit(sfs.name(p))) for p in dataset.shard_paths]
+    """The dataset's summary; extremes only among documents with ``>= min_tokens`` tokens. A shard
+    that is damaged (missing, of another size or, with ``checksums``, another sha256 than the manifest
+    records, unreadable, of another identity) is left out of every figure and named in ``damaged``."""
+    damaged = damaged_shards(dataset, checksums)
     shards, running = [], None
-    for frame in frames or [dataset.scan(with_file=True)]:
-        stats = per_document_stats(frame)
-        hi, lo = _extremes(stats, top_k, min_tokens)
-        shard, hi, lo, h = pl.collect_all(
-            [_per_shard_query(stats), hi, lo, loss_histogram_query(frame, bin_width)], engine=ENGINE
-        )
+    for path in [p for p in dataset.shard_paths if sfs.name(p) not in damaged]:
+        try:
+            shard, partial = _shard_figures(pl.scan_parquet(str(path)).with_columns(file=pl.lit(sfs.name(path))),
+                                            top_k, min_tokens, bin_width)
+        except (pl.exceptions.PolarsError, OSError) as exc:  # a footer that reads, pages that do not
+            damaged[sfs.name(path)] = f"unreadable ({str(exc).splitlines()[0]})"
+            continue
         shards.append(shard)
-        running = _merge(running, (hi, lo, h), top_k)
+        running = _merge(running, partial, top_k)
+    if running is None:  # no shard, or none readable: the figures of none
+        shard, running = _shard_figures(replace(dataset, shards=[]).scan(with_file=True), top_k, min_tokens, bin_width)
+        shards.append(shard)
     highest, lowest, hist = running
-    shards = _shard_table(dataset, pl.concat(shards))
+    shards = _shard_table(dataset, pl.concat(shards), damaged)
     histogram = LossHistogram.from_bins(hist, bin_width)
     total = {c: int(shards[c].sum()) for c in ("documents", "empty_documents", "tokens", "nan", "inf", "finite")}
     loss_sum = float(shards["loss_sum"].sum() or 0.0)
@@ -215,6 +244,7 @@ def summarize(
         histogram=histogram,
         min_tokens=min_tokens,
         teacher=dataset.teacher.get("teacher") or {},
+        damaged=damaged,
     )
 
 
@@ -225,13 +255,15 @@ def _size(location) -> int:
     return size
 
 
-def _shard_table(dataset: ScoredDataset, stats: pl.DataFrame) -> pl.DataFrame:
-    """The per-shard statistics in manifest order, with bytes on disk and skipped counts."""
+def _shard_table(dataset: ScoredDataset, stats: pl.DataFrame, damaged: dict[str, str]) -> pl.DataFrame:
+    """The per-shard statistics in manifest order, with bytes on disk and skipped counts; the
+    ``damaged`` shards left out."""
+    entries = [e for e in dataset.entries if e["file"] not in damaged]
     listed = pl.DataFrame(
         {
-            "file": [e["file"] for e in dataset.entries],
-            "bytes": [_size(sfs.child(dataset.folder, e["file"])) for e in dataset.entries],
-            "skipped": [sum(v for k, v in e.get("reasons", {}).items() if k in SKIP_REASONS) for e in dataset.entries],
+            "file": [e["file"] for e in entries],
+            "bytes": [_size(sfs.child(dataset.folder, e["file"])) for e in entries],
+            "skipped": [sum(v for k, v in e.get("reasons", {}).items() if k in SKIP_REASONS) for e in entries],
         },
         schema={"file": pl.String, "bytes": pl.Int64, "skipped": pl.Int64},
     )

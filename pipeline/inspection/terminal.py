@@ -54,6 +54,9 @@ def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 def summary_renderables(s: DatasetSummary) -> list:
     status = "complete" if s.complete else f"partial: {s.shards_listed} of {s.shards_planned} planned shards"
+    if s.damaged:
+        status = (f"{status} in its manifest, but {len(s.damaged)} of its {s.shards_listed} listed shards are damaged "
+                  "and left out of every figure below")
     q = s.quantiles
     rehearsal = [("REHEARSAL", REHEARSAL_NOTE)] if is_rehearsal({"teacher": s.teacher}) else []
     overview = _key_value_table(escape(f"scored dataset {s.name}"), [
@@ -81,6 +84,10 @@ def summary_renderables(s: DatasetSummary) -> list:
                        f"{r['mean_loss']:.4f}" if r["mean_loss"] is not None else "n/a",
                        _pct(r["nan_share"]) if r["nan_share"] is not None else "n/a", f"{r['skipped']:,}"))
     out = [overview, shards]
+    if s.damaged:
+        out[:0] = [Text(f"warning: {file}: {problem}", style="yellow") for file, problem in s.damaged.items()] + [
+            Text("warning: make validate names every problem of every shard; rerunning the stage-1 command after "
+                 "removing a damaged shard's marker (shard-NNNNNN.done.json) scores it again", style="yellow")]
     for title, frame in ((f"highest mean loss (documents with >= {s.min_tokens} tokens)", s.highest),
                          (f"lowest mean loss (documents with >= {s.min_tokens} tokens)", s.lowest)):
         table = Table(title=title, title_justify="left")
