@@ -35,7 +35,7 @@ from pipeline.runtime.config import ConfigError
 from pipeline.student_data.packing import PackPlan
 from pipeline.student_data.settings import AlignmentConfig, StudentDataError
 from pipeline.student_data.several_teachers import TeacherMatch, combine_losses
-from storage_schemas.reader import ShardInfo, ShardReader
+from storage_schemas.reader import BadShardError, ShardInfo, ShardReader
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,9 @@ class PackedDataset(torch.utils.data.Dataset):
     stops before sample ``end`` (the run sets it to the number of samples it trains), so with
     the stride guessed right a process decodes only row groups that hold documents of its own
     samples. The cache holds at most ``2 * readahead_tokens`` tokens (at least four samples'
-    worth) beyond the documents of the current request.
+    worth) beyond the documents of the current request. A damaged shard met while reading ahead
+    is left for the request whose samples need it, which raises its
+    :class:`storage_schemas.reader.BadShardError`: the run trains every step before it.
     """
 
     def __init__(
@@ -233,7 +235,14 @@ class PackedDataset(torch.utils.data.Dataset):
                 found[d] = self._docs[d]
         missing = sorted({d for d in (*positions, *ahead) if d not in self._docs})
         if missing:
-            for d, doc in zip(missing, self._encode(missing)):
+            try:
+                encoded = self._encode(missing)
+            except BadShardError:  # a damaged shard: raised for the request that needs it, not for a read-ahead
+                needed = sorted({d for d in positions if d not in self._docs})
+                if needed == missing:
+                    raise
+                missing, encoded = needed, self._encode(needed)
+            for d, doc in zip(missing, encoded):
                 self._docs[d] = doc
                 self._cached_tokens += doc.ids.size
             found.update((d, self._docs[d]) for d in positions if d not in found)

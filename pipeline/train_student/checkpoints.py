@@ -136,6 +136,15 @@ def checkpoint_folders(out: str | os.PathLike) -> tuple[list[Path], list[Path]]:
     return [p for p in found if is_complete_checkpoint(p)], [p for p in found if not is_complete_checkpoint(p)]
 
 
+def rerun_start(output_dir: str | os.PathLike) -> str:
+    """Where the same command starts again after a stop, in words: the run folder's newest complete
+    checkpoint (``train.resume=auto``), or the beginning."""
+    complete = checkpoint_folders(output_dir)[0] if Path(output_dir).is_dir() else []
+    if not complete:
+        return "no checkpoint of this run yet: the same command starts it again"
+    return f"the same command resumes from {complete[-1].name} ({complete[-1]})"
+
+
 def resolve_checkpoint(output_dir: str, resume: str, overwrite: bool, recipe: dict, identity: dict,
                        student: dict | None = None) -> str | None:
     """The checkpoint to resume from: ``resume`` is ``auto`` (the newest complete one, if any),

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -48,6 +49,7 @@ from pipeline.train_student.checkpoints import (
     read_loss_sum,
     recorded_summary,
     recover_run_folder,
+    rerun_start,
     resolve_checkpoint,
     save_final,
     trainer_state,
@@ -78,7 +80,9 @@ from pipeline.train_student.trainer import (
     NonFiniteGuard,
     NonFiniteLossError,
 )
-from storage_schemas import store_calls
+from storage_schemas import filesystem as sfs
+from storage_schemas import marker_of, store_calls
+from storage_schemas.reader import BadShardError
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +211,17 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
         trainer.state.log_history = trainer_state(checkpoint).get("log_history", [])
         trainer.state.global_step = start_step
     else:
-        with _cpu_threads(job.train.cpu_threads), trainer.saving_on_signals():
-            trainer.train(resume_from_checkpoint=checkpoint)
+        try:
+            with _cpu_threads(job.train.cpu_threads), trainer.saving_on_signals():
+                trainer.train(resume_from_checkpoint=checkpoint)
+        except BadShardError:
+            if trainer.bad_shard is None:
+                raise
+        except KeyboardInterrupt as exc:  # Ctrl-C: the run stops where it is
+            raise Interrupted(getattr(exc, "signum", signal.SIGINT), f"stopped at step {trainer.state.global_step} of "
+                              f"{args.max_steps}; {rerun_start(job.output_dir)}") from None
+    if trainer.bad_shard is not None:
+        raise BadShardError(bad_shard_stop(trainer.bad_shard, job.output_dir, trainer.state.global_step, args.max_steps))
     if trainer.stop_reason:
         raise NonFiniteLossError(trainer.stop_reason)
     step = trainer.state.global_step
@@ -217,6 +230,21 @@ def train_from(checkpoint: str | None, job: TrainJobConfig, args, tokenizer, dat
                                                f"({Path(job.output_dir) / f'checkpoint-{step}'}); the same command "
                                                "resumes from it")
     return trainer, start_step
+
+
+def bad_shard_stop(problem: str, output_dir: str, step: int, max_steps: int) -> str:
+    """The one line of a run stopped by a damaged shard (:meth:`GuidedTrainer.get_batch_samples`):
+    the reader's ``problem`` (the shard and what is wrong), how to score it again, where the same
+    command resumes, and why ``data.on_bad_shard=skip`` cannot resume the run."""
+    shard = problem.split(": ", 1)[0]
+    remedy = ""
+    if "make score-teacher" not in problem and shard.endswith(".parquet"):
+        remedy = (f"; score it again: delete {marker_of(sfs.name(shard))} beside it and run make score-teacher with the "
+                  "settings that scored its folder")
+    return (f"{problem}{remedy}. Training stopped at step {step} of {max_steps}: {rerun_start(output_dir)} once the "
+            "shard is scored again. data.on_bad_shard=skip cannot resume this run (leaving the shard out changes the "
+            "samples of every later step); it trains a new run without the shard: the same command with "
+            "data.on_bad_shard=skip and run_name=<a new name> (or overwrite=true)")
 
 
 def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per_step, final, seconds) -> TrainSummary:

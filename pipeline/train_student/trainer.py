@@ -1,7 +1,7 @@
 """The Hugging Face ``Trainer`` with the teacher-guided loss (docs/METHOD.md §2.2), its metrics and
 its checkpoint records.
 
-:class:`GuidedTrainer` changes ``transformers.Trainer`` in eight ways:
+:class:`GuidedTrainer` changes ``transformers.Trainer`` in nine ways:
 
 * ``compute_loss`` hands the student's logits to :func:`pipeline.method.guided_loss.guided_loss` (the public loss)
   with the batch's ``labels`` (already shifted by the packing, :mod:`pipeline.student_data.dataset`),
@@ -44,6 +44,12 @@ its checkpoint records.
   reduction), then training stops; the run then raises :class:`pipeline.runtime.config.Interrupted`. A
   resumed run goes on from that step exactly. The data-loader workers, which get the same signal
   from a scheduler, leave it to the training process.
+* a shard found damaged while a step's micro-batches are read (by a data-loader worker, on any
+  rank: the ranks agree once per step, before its first forward) stops the run at the step
+  reached, as a signal does: the steps since the last log are logged, a complete checkpoint is
+  saved there (unless one already is) and training stops; ``bad_shard`` then holds the reader's
+  message, which the run raises as :class:`storage_schemas.reader.BadShardError`. Nothing of the
+  step under way has touched the weights, so a rerun on the shard scored again resumes exactly.
 * its last log's ``train_loss`` is the mean loss over all the run's steps, those of the runs it
   resumed or continued included (the Trainer's own counts this call's steps only), as an
   uninterrupted run reports it: each complete checkpoint records the sum of the losses up to its
@@ -81,6 +87,7 @@ from pipeline.runtime.config import UserError, handling
 from pipeline.method.guided_loss import SelectionConfig, guided_loss
 from pipeline.train_student.checkpoints import mark_complete
 from pipeline.train_student.several_teachers import TeacherMetrics
+from storage_schemas.reader import BadShardError
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +158,8 @@ class GuidedTrainer(Trainer):
         self._micro = (-1, 0)  # (global step, micro-batch index within it)
         self._last_log_time = None
         self.stop_signal: int | None = None  # SIGTERM or SIGUSR1 noted while training (saving_on_signals)
+        self.bad_shard: str | None = None  # a damaged shard met while reading a step's batches (any rank)
+        self._steps_read = 0  # optimizer steps whose batches this call has read
         self.earlier_loss_sum = 0.0  # the losses of the steps before this call's first (a resume, a continuation)
         for callback in self.callback_handler.callbacks:  # each checkpoint records the run's loss sum
             if isinstance(callback, CheckpointRecordCallback):
@@ -183,6 +192,36 @@ class GuidedTrainer(Trainer):
         return loader
 
     # ---- data --------------------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, read before its first forward; a damaged shard met while
+        reading them, on any rank, stops the run at the step reached (module docstring)."""
+        problem = None
+        try:
+            batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        except BadShardError as exc:
+            batches, items, problem = [], None, worker_message(exc)
+        problem = self._on_any_rank(problem, device)
+        if problem is None:
+            self._steps_read += 1
+            return batches, items
+        self.bad_shard = problem
+        if not self._steps_read:  # nothing trained in this call: nothing to log or save
+            raise BadShardError(problem)
+        self.control.should_training_stop = self.control.should_log = True  # the Trainer's loop ends: it logs and saves
+        self.control.should_save = self.state.global_step % self.args.save_steps != 0  # else saved at this step already
+        return [], None
+
+    def _on_any_rank(self, problem: str | None, device) -> str | None:
+        """``problem``, or another rank's (one reduction per step; the message only when there is one)."""
+        if self.args.world_size == 1:
+            return problem
+        found = torch.tensor(float(problem is not None), device=device)
+        if not self.accelerator.reduce(found, reduction="sum").item():
+            return None
+        problems = [None] * self.args.world_size
+        torch.distributed.all_gather_object(problems, problem)
+        return next(p for p in problems if p is not None)
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
@@ -525,6 +564,14 @@ def _trained_and_left(selection, teacher_loss: torch.Tensor | None, byte_pieces:
         bytes_t, bytes_l = (byte_pieces & trained).sum(), (byte_pieces & left).sum()
     return [left.sum(), torch.where(left, l_s, 0.0).sum(), mapped_t.sum(), torch.where(mapped_t, l_t, 0.0).sum(),
             mapped_l.sum(), torch.where(mapped_l, l_t, 0.0).sum(), bytes_t, bytes_l]
+
+
+def worker_message(exc: BaseException) -> str:
+    """The message of ``exc`` as raised in a data-loader worker: torch raises it again in the
+    training process as ``Caught <type> in DataLoader worker process <n>`` and the worker's whole
+    traceback, which ends with the original message."""
+    cls = type(exc)
+    return str(exc).rsplit(f"{cls.__module__}.{cls.__qualname__}: ", 1)[-1].strip()
 
 
 def _ratio(total: float, count: float) -> float:

@@ -25,16 +25,19 @@ import pytest
 from storage_schemas import file_sha256, marker_of, read_manifest
 from storage_schemas.reader import BadShardError, ShardReader, open_scored_dataset
 
+from test_train_student import metrics
+
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = 5  # the damaged loss of a document
 
 
-def plain_copy(src: Path, dst: Path) -> Path:
+def plain_copy(src: Path, dst: Path, row_group_size: int | None = None) -> Path:
     shutil.copytree(src, dst)
     manifest = read_manifest(dst)
     for entry in manifest["shards"]:
         path = dst / entry["file"]
-        pq.write_table(pq.read_table(path), path, compression="none", use_dictionary=False)
+        pq.write_table(pq.read_table(path), path, compression="none", use_dictionary=False,
+                       row_group_size=row_group_size)
         entry["bytes"], entry["sha256"] = path.stat().st_size, file_sha256(path)
         (dst / marker_of(entry["file"])).write_text(json.dumps(entry))
     (dst / "manifest.json").write_text(json.dumps(manifest))
@@ -98,6 +101,7 @@ def test_stage2_refuses_an_impossible_loss_naming_the_shard_and_the_document(mic
     assert line.startswith(f"error: {folder / file}: document {doc!r} (row 7) has teacher loss 2.5e+38 at token "
                            f"{TOKEN}, which no teacher gives"), line
     assert f"delete {marker_of(file)} beside it and run make score-teacher" in line, line
+    assert "Training stopped at step 0 of 4: no checkpoint of this run yet: the same command starts it again" in line
     assert not list(out.glob("checkpoint-*")) and not (out / "final").exists() and not (out / ".final.tmp").exists()
 
     # each kind of impossible loss, in the reader every stage-2 path reads rows with (its own worker's)
@@ -131,3 +135,85 @@ def test_the_export_checks_every_shards_sha256_and_refuses_a_flipped_byte(micro_
     assert f"{folder / file}: checksum mismatch: sha256 {file_sha256(folder / file)[:16]}..." in line, line
     assert f"delete its marker first, {marker_of(file)}" in line, line
     assert not out.exists() and not (tmp_path / "lengths").exists()
+
+
+STEP_SAMPLES = 4  # micro-batches of 2, accumulated twice
+
+
+def training_args(student: Path, folder: Path, tmp_path: Path, run: str, steps: int) -> list[str]:
+    return [*student_args(student, folder, tmp_path), "data.held_out_shards=0", "train.eval_every=null",
+            f"train.max_steps={steps}", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
+            "train.save_steps=1000", "train.logging_steps=1", "train.warmup_steps=2", "train.use_cpu=true",
+            "train.report_to=[]", "train.cpu_threads=1", "train.progress=false", f"output_dir={tmp_path / run}"]
+
+
+def first_reads(folder: Path, student: Path, file: str) -> dict[int, int]:
+    """Row group of ``file`` -> the first packed sample that takes a document from it, from the
+    packing plan an independent build of the same data gives (the run decodes a row group, and
+    checks its losses, when a sample first needs one of its documents)."""
+    from pipeline.method.tokenization import load_tokenizer
+    from pipeline.student_data.build import build_student_data
+    from pipeline.student_data.settings import AlignmentConfig, PackingConfig
+
+    data = build_student_data(open_scored_dataset([folder]), load_tokenizer(str(student)), PackingConfig(seq_len=32),
+                              AlignmentConfig())
+    plan, shards, first = data.plan, data.scored.shards, {}
+    for k in range(plan.n_samples):
+        for d, _, _ in plan.documents_of(k):
+            shard = shards[int(plan.doc_shard[d])]
+            if shard.path.name == file:
+                first.setdefault(shard.row_group_of(int(plan.doc_row[d]))[0], k)
+        if len(first) == len(shards[0].row_group_rows) or k > 200:
+            return first
+    return first
+
+
+@pytest.mark.long
+def test_a_damaged_shard_met_mid_training_stops_with_a_checkpoint_and_the_rerun_resumes_exactly(
+        micro_scored, tiny_student, tmp_path):
+    """The damaged loss sits in a row group the run first needs at step N+1 (row groups of 4 rows):
+    the run stops there in one line naming the shard, how to score it again and checkpoint-N, saved
+    at the step reached (train.save_steps is past the run's end), and why data.on_bad_shard=skip
+    cannot resume it. The shard's bytes put back (what scoring it again writes: stage 1 is
+    deterministic) and the same command run again, it resumes from checkpoint-N and ends with an
+    uninterrupted run's per-step figures and final weights, bit for bit."""
+    from test_faults_stage2 import assert_same_training, complete_steps
+
+    steps = 12
+    folder = plain_copy(micro_scored, tmp_path / "scored", row_group_size=4)
+    file = first_shard_read(folder)
+    group, k = next((g, k) for g, k in sorted(first_reads(folder, tiny_student, file).items(), key=lambda x: x[1])
+                    if 3 * STEP_SAMPLES <= k < (steps - 2) * STEP_SAMPLES)
+    stopped_at = k // STEP_SAMPLES  # the steps done before the one that needs the row group
+    reference = tmp_path / "reference"
+    assert run("train_student", tmp_path, *training_args(tiny_student, folder, tmp_path, "reference", steps)).returncode == 0
+
+    original = (folder / file).read_bytes()
+    rows = pq.ParquetFile(folder / file).metadata.row_group(0).num_rows
+    doc = None
+    for row in range(group * rows, (group + 1) * rows):
+        try:
+            doc, _ = damage(folder, file, row, change=lambda _: struct.pack("<f", float("inf")))
+            break
+        except AssertionError:
+            continue  # a row too short, or whose losses repeat elsewhere in the file
+    assert doc is not None
+    command = training_args(tiny_student, folder, tmp_path, "run", steps)
+    line = one_line(run("train_student", tmp_path, *command))
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / f"checkpoint-{stopped_at}"
+    assert line.startswith(f"error: {folder / file}: document {doc!r} (row "), line
+    assert f"delete {marker_of(file)} beside it and run make score-teacher" in line, line
+    assert line.endswith(
+        f"Training stopped at step {stopped_at} of {steps}: the same command resumes from checkpoint-{stopped_at} "
+        f"({checkpoint}) once the shard is scored again. data.on_bad_shard=skip cannot resume this run (leaving the "
+        "shard out changes the samples of every later step); it trains a new run without the shard: the same command "
+        "with data.on_bad_shard=skip and run_name=<a new name> (or overwrite=true)"), line
+    assert complete_steps(run_dir) == [stopped_at] and max(r["step"] for r in metrics(run_dir)) == stopped_at
+    assert not (run_dir / "final").exists()
+
+    (folder / file).write_bytes(original)  # scored again
+    rerun = run("train_student", tmp_path, *command)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert_same_training(run_dir, reference, steps)
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == str(checkpoint)
