@@ -25,12 +25,14 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
+from pipeline.train_student.checkpoints import TENSORBOARD_NAME
 from pipeline.train_student.config import (
     TrainJobConfig,
     check_student_source,
     config_defaults,
     launch_problems,
     run_corpus_name,
+    scored_names,
     train_job_config,
 )
 from stages.common import (
@@ -53,10 +55,22 @@ if TYPE_CHECKING:  # the plan and the run import torch and transformers: main im
 
 log = logging.getLogger("train_student")
 
-# ``${run_corpus:${data.corpus},${data.mixture}}`` in conf/train_student.yaml: the run folder's corpus part,
-# a mixture's named after its corpora (docs/storage-schema.md, "What a student run writes").
-OmegaConf.register_new_resolver("run_corpus", lambda corpus, mixture: run_corpus_name(
-    corpus, [str(c.get("name")) for c in mixture] if mixture else None), replace=True)
+
+
+def _run_names(corpus: str, teacher: str, mixture, folders) -> tuple[str, str]:
+    """The corpus and teacher parts of a run's default folder: a mixture's corpus part is named
+    after its corpora; otherwise both are what the scored folders' manifests say
+    (:func:`scored_names`), else ``data.corpus`` and ``data.teacher`` (docs/storage-schema.md,
+    "What a student run writes")."""
+    if mixture:
+        return run_corpus_name(corpus, [str(c.get("name")) for c in mixture]), teacher
+    return scored_names(list(folders or [])) or (corpus, teacher)
+
+
+# ``${run_corpus:${data.corpus},${data.teacher},${data.mixture},${data.folders}}`` and ``${run_teacher:...}``
+# (the same arguments) in conf/train_student.yaml: the run folder's corpus part and the run name's teacher part.
+OmegaConf.register_new_resolver("run_corpus", lambda *a: _run_names(*a)[0], replace=True)
+OmegaConf.register_new_resolver("run_teacher", lambda *a: _run_names(*a)[1], replace=True)
 
 
 def job_config(cfg: DictConfig, check_files: bool = False) -> TrainJobConfig:
@@ -98,7 +112,7 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
     skipped = d["shards_skipped"]
     rows = [
         ("run", started(s)),
-        ("data", f"teacher {d['teacher']}: {d['shards_used']} shards, {d['n_documents']:,} documents, "
+        ("data", f"{teachers(d)}: {d['shards_used']} shards, {d['n_documents']:,} documents, "
                  f"{d['student_tokens']:,} student tokens ({d['n_tokens']:,} stream tokens: BOS/EOS and every pass), "
                  f"{d['n_samples']:,} samples of {d['seq_len']}"),
         ("skipped", f"{len(skipped)} shard(s): " + ", ".join(Path(b['file']).name for b in skipped) if skipped
@@ -123,12 +137,22 @@ def print_summary(s: TrainSummary, console: Console | None = None) -> None:
     if s.evaluations:
         rows.append(("held-out", ", ".join(f"step {r['step']}: {r['eval_bits_per_byte']:.4f}" for r in s.evaluations[-6:])
                      + " bits/byte" + (f" (last 6 of {len(s.evaluations)})" if len(s.evaluations) > 6 else "")))
-    show_summary("train-student", rows, [
+    lines = [
         ("the run folder", str(s.output_dir)),
         ("the final model (AutoModelForCausalLM.from_pretrained)", str(s.final_model)),
         ("metrics, one JSON line per log", str(Path(s.output_dir) / "metrics.jsonl")),
-        ("TensorBoard", f"tensorboard --logdir {shlex.quote(str(Path(s.output_dir) / 'runs'))}"),
-    ], console)
+    ]
+    if "tensorboard" in s.trackers or list(s.trackers) == ["all"]:  # train.report_to
+        lines.append(("TensorBoard", f"tensorboard --logdir {shlex.quote(str(Path(s.output_dir) / TENSORBOARD_NAME))}"))
+    show_summary("train-student", rows, lines, console)
+
+
+def teachers(d: dict) -> str:
+    """The summary's teachers: one, or several with how their losses combine."""
+    names = d.get("teachers") or [d["teacher"]]
+    if len(names) == 1:
+        return f"teacher {names[0]}"
+    return f"{len(names)} teachers, {', '.join(map(str, names))} (loss.combine={d.get('combine')})"
 
 
 def started(s: TrainSummary) -> str:

@@ -41,6 +41,7 @@ from pipeline.runtime.config import (
 from pipeline.student_data.several_teachers import MISSING_RULES
 from pipeline.student_data.settings import AlignmentConfig, scored_folder_problems
 from pipeline.train_student.trackers import tracker_name_problems, tracker_problems
+from storage_schemas import ContractError, read_manifest
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ON_BAD_SHARD, VERIFY
 
@@ -166,6 +167,25 @@ def run_corpus_name(corpus: str, names: Sequence[str] | None) -> str:
     if len(joined) <= 100:
         return f"mixture-{joined}"
     return f"mixture-{len(names)}-corpora-{hashlib.sha256(joined.encode()).hexdigest()[:8]}"
+
+
+def scored_names(folders: Sequence[str] | None) -> tuple[str, str] | None:
+    """``(corpus, teachers)`` as the scored folders' manifests name them: the first folder's corpus,
+    and the teachers in the folders' order joined by ``+`` (``qwen+deepseek``); what names a run
+    given ``data.folders``. None when a folder holds no readable manifest, or one without these
+    names (the configuration checks name such a folder)."""
+    corpora, teachers = [], []
+    for folder in folders or []:
+        try:
+            identity = read_manifest(folder).get("identity") or {}
+        except ContractError:
+            return None
+        corpora.append((identity.get("corpus") or {}).get("name"))
+        teachers.append((identity.get("teacher") or {}).get("name"))
+    names = [*corpora[:1], *teachers]
+    if not names or not all(isinstance(n, str) and CORPUS_NAME.fullmatch(n) for n in names):
+        return None
+    return corpora[0], "+".join(dict.fromkeys(teachers))
 
 
 def recipe_of(mixture: Sequence[MixtureCorpus] | None) -> dict | None:

@@ -306,7 +306,9 @@ class ExportData:
                 "alignment": self.alignment.method, "aggregate": self.alignment.aggregate,
                 "shards_used": len(first.get("shards_used") or []),
                 "shards_skipped": [{"file": f} for f in first.get("shards_skipped") or []],
-                "teacher": ((first.get("teacher") or {}).get("teacher") or {}).get("name"), "export": self.folder}
+                "teacher": ((first.get("teacher") or {}).get("teacher") or {}).get("name"), "export": self.folder,
+                **({"teachers": list(self.dataset.teachers.names), "combine": self.dataset.teachers.combine}
+                   if self.dataset.teachers is not None else {})}
 
 
 def open_export_data(folder: str, tokenizer, seq_len: int, data, alignment: AlignmentConfig) -> ExportData:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
+from transformers.training_args import ParallelMode
 
 from pipeline.folders.folder_lock import exclusive_writer
 from pipeline.folders.model_source import model_positions, refuse_seq_len
@@ -103,6 +104,7 @@ class TrainSummary:
     evaluations: list[dict] = field(default_factory=list)  # train.eval_every: {step, eval_bits_per_byte, ...}
     train_loss: float | None = None  # the mean loss over all the run's steps, resumed or continued ones included
     already_complete: bool = False  # the run had ended before this call: it trained and wrote nothing
+    trackers: list[str] = field(default_factory=lambda: list(TrainConfig().report_to))  # train.report_to
 
     @property
     def tokens_per_s(self) -> float:
@@ -163,6 +165,9 @@ def _run_training(job: TrainJobConfig, callbacks: list | None, lock: contextlib.
     if recorded is not None:  # the same command again after the run's end: nothing is trained or written
         names = {f.name for f in fields(TrainSummary)}
         return TrainSummary(**{k: v for k, v in recorded.items() if k in names}, already_complete=True)
+    if checkpoint is not None and args.process_index == 0:
+        log.info("resuming %s from %s (step %d of %d)", job.output_dir, checkpoint, checkpoint_step(checkpoint),
+                 args.max_steps)
     continued = None  # a new continuation: it starts from the source run's stable checkpoint
     if checkpoint is None and job.train.continue_from:
         checkpoint = continued = continuation_checkpoint(job, identity, student, args.max_steps)
@@ -257,6 +262,7 @@ def _summary(job, trainer, data: StudentData, checkpoint, start_step, tokens_per
         nonfinite_steps=list(trainer.guard.skipped),
         evaluations=[r for r in trainer.state.log_history if "eval_bits_per_byte" in r],
         train_loss=next((r["train_loss"] for r in reversed(trainer.state.log_history) if "train_loss" in r), None),
+        trackers=list(job.train.report_to),
     )
 
 
@@ -363,8 +369,6 @@ def refuse_undistributed(args: TrainingArguments, world_size: int) -> None:
     """Set up the process group and refuse, in one line before any work, a launch whose processes
     would not train as one data-parallel run: each on its own part of every global batch, the
     gradients reduced, one process writing. ``world_size`` is the launcher's (``WORLD_SIZE``)."""
-    from transformers.training_args import ParallelMode
-
     joined, mode = args.world_size, args.parallel_mode
     if world_size > 1 and (mode != ParallelMode.DISTRIBUTED or joined != world_size):
         raise ConfigError(
