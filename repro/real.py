@@ -321,38 +321,22 @@ def train_and_evaluate(run: RealRun, held_out: dict[str, list[str]]) -> dict:
     return result
 
 
-def _init_worker() -> None:
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 def run_all(todo: list[RealRun], held_out: dict[str, list[str]], parallel: int, train: bool) -> tuple[list[dict], int]:
     """Every finished run's result in run order, and how many were found finished before."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
+    from repro.runner import run_pool
 
     results = {i: r for i, r in ((i, cached(run)) for i, run in enumerate(todo)) if r is not None}
     pending = [i for i in range(len(todo)) if i not in results]
     n_cached = len(results)
     print(f"runs: {len(results)} finished before, {len(pending)} to train", flush=True)
+
+    def done(i: int, r: dict, n: int) -> None:
+        print(f"[{n}/{len(pending)}] {r['arm']} seed {r['seed']}: {r['bits_per_byte']:.4f} bits/byte "
+              f"({r['train_seconds']:.0f} s)", flush=True)
+
     if pending and train:
-        with ProcessPoolExecutor(max_workers=parallel, mp_context=get_context("spawn"), initializer=_init_worker) as pool:
-            futures = {pool.submit(train_and_evaluate, todo[i], held_out): i for i in pending}
-            for n, future in enumerate(as_completed(futures), start=1):
-                i = futures[future]
-                try:
-                    results[i] = future.result()
-                except Exception as exc:
-                    raise RuntimeError(f"run {todo[i].arm} seed {todo[i].seed} failed ({todo[i].job.output_dir}): "
-                                       f"{exc}") from exc
-                r = results[i]
-                print(f"[{n}/{len(pending)}] {r['arm']} seed {r['seed']}: {r['bits_per_byte']:.4f} bits/byte "
-                      f"({r['train_seconds']:.0f} s)", flush=True)
+        results.update(run_pool({i: (train_and_evaluate, todo[i], held_out) for i in pending}, parallel,
+                                lambda i: f"run {todo[i].arm} seed {todo[i].seed} ({todo[i].job.output_dir})", done))
     return [results[i] for i in sorted(results)], n_cached
 
 
@@ -430,19 +414,9 @@ def diagnose(run_guided: RealRun, base_folder: Path, trained: dict[str, str], wo
 
 def compare(results: list[dict], a: str, b: str, claimed: int, source: str | None = None) -> dict | None:
     """The seed-paired test of ``a - b`` held-out bits per byte (overall, or of one source)."""
-    from repro.stats import paired_test, verdict
+    from repro.warm_report import compare as compare_on
 
-    def value(r: dict) -> float:
-        return r["bits_per_byte"] if source is None else r["per_source"][source]["bits_per_byte"]
-
-    by_seed = {arm: {r["seed"]: value(r) for r in results if r["arm"] == arm} for arm in (a, b)}
-    seeds = sorted(set(by_seed[a]) & set(by_seed[b]))
-    if not seeds:
-        return None
-    test = paired_test([by_seed[a][s] - by_seed[b][s] for s in seeds])
-    return {**test, "seeds": seeds, "verdict": verdict(test, claimed),
-            "mean_a": sum(by_seed[a][s] for s in seeds) / len(seeds),
-            "mean_b": sum(by_seed[b][s] for s in seeds) / len(seeds)}
+    return compare_on(results, a, b, claimed, "overall", source)
 
 
 def _cell(test: dict | None) -> str:

@@ -102,6 +102,27 @@ def _init_worker() -> None:
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
 
 
+def run_pool(calls: dict[int, tuple], parallel: int, describe, on_result=None) -> dict[int, dict]:
+    """``fn(*args)`` for each ``index: (fn, *args)`` of ``calls`` in spawned processes, ``parallel`` at
+    a time, each with one torch thread (:func:`_init_worker`); results by index. ``on_result(index,
+    result, done_count)`` as each finishes; a failure raises, naming ``describe(index)``."""
+    results: dict[int, dict] = {}
+    if not calls:
+        return results
+    with ProcessPoolExecutor(max_workers=max(1, parallel), mp_context=get_context("spawn"),
+                             initializer=_init_worker) as pool:
+        futures = {pool.submit(call[0], *call[1:]): i for i, call in calls.items()}
+        for n, future in enumerate(as_completed(futures), start=1):
+            i = futures[future]
+            try:
+                results[i] = future.result()
+            except Exception as exc:
+                raise RuntimeError(f"{describe(i)} failed: {exc}") from exc
+            if on_result:
+                on_result(i, results[i], n)
+    return results
+
+
 def run_tasks(tasks: list[RunTask], parallel: int, on_result=None, train: bool = True) -> list[dict]:
     """Every task's result (cached ones first, without starting a process), in task order;
     ``train=False``: only the cached ones."""
@@ -116,16 +137,8 @@ def run_tasks(tasks: list[RunTask], parallel: int, on_result=None, train: bool =
         else:
             pending.append(i)
     if pending and train:
-        with ProcessPoolExecutor(max_workers=max(1, parallel), mp_context=get_context("spawn"),
-                                 initializer=_init_worker) as pool:
-            futures = {pool.submit(train_and_evaluate, tasks[i]): i for i in pending}
-            for future in as_completed(futures):
-                i = futures[future]
-                try:
-                    results[i] = future.result()
-                except Exception as exc:
-                    raise RuntimeError(f"repro run {tasks[i].arm} seed {tasks[i].seed} failed "
-                                       f"({tasks[i].job.output_dir}): {exc}") from exc
-                if on_result:
-                    on_result(results[i], cached=False)
+        results.update(run_pool(
+            {i: (train_and_evaluate, tasks[i]) for i in pending}, parallel,
+            lambda i: f"repro run {tasks[i].arm} seed {tasks[i].seed} ({tasks[i].job.output_dir})",
+            (lambda i, result, n: on_result(result, cached=False)) if on_result else None))
     return [results[i] for i in range(len(tasks)) if i in results]

@@ -59,6 +59,7 @@ class WarmUpSpec:
     """The warm-up run of a student: plain cpt on the warm-up text, warm-up-stable-decay schedule."""
 
     steps: int = 1000
+    extensions: list[int] = field(default_factory=list)  # total steps to continue to, in turn, while not flattened
     learning_rate: float = 2e-3
     min_learning_rate: float = 2e-4
     eval_every: int = 100
@@ -67,6 +68,8 @@ class WarmUpSpec:
         found: list[str] = []
         check_at_least(found, "steps", self.steps, 1)
         check_at_least(found, "eval_every", self.eval_every, 1)
+        if any(b <= a for a, b in zip([self.steps, *self.extensions], self.extensions)):
+            found.append(f"extensions: {self.extensions} must each be more steps than the stage before")
         if not 0 < self.min_learning_rate <= self.learning_rate:
             found.append(f"min_learning_rate: {self.min_learning_rate} is not in (0, learning_rate]")
         return found
@@ -254,19 +257,29 @@ def student_overrides(name: str, spec: WarmStudent, model: Path, work: Path) -> 
             "data.held_out_shards=0"]
 
 
-def warmup_job(study: WarmStudyConfig, name: str, base: Path, warm_folder: str, work: Path):
-    """The warm-up run of student ``name``: plain cpt on the warm-up text (module docstring, step 3)."""
+def warmup_stages(spec: WarmStudent, name: str, work: Path) -> list[tuple[int, Path]]:
+    """The warm-up's runs, ``(total steps, folder)``: the first, then each extension (a wsd
+    continuation of the one before it, from the end of its stable phase)."""
+    return [(spec.warmup.steps, work / "warmup" / name),
+            *((steps, work / "warmup" / f"{name}-to{steps}") for steps in spec.warmup.extensions)]
+
+
+def warmup_job(study: WarmStudyConfig, name: str, base: Path, warm_folder: str, work: Path, stage: int = 0):
+    """Run ``stage`` of the warm-up of student ``name``: plain cpt on the warm-up text (module
+    docstring, step 3); a later stage continues the one before it to more steps."""
     spec = study.students[name]
     w = spec.warmup
+    stages = warmup_stages(spec, name, work)
+    steps, folder = stages[stage]
     tune = write_jsonl(split_texts(work, "tune"), work / "corpus" / "tune.jsonl")
     return stage2_job([
         *student_overrides(name, spec, base, work), f"data.folders=[{warm_folder}]", "data.allow_rehearsal=true",
         "data.teacher=none", f"data.corpus={CORPUS_NAME}-warmup", "data.epochs=16", "data.token_ratio_bound=4.0",
-        "loss.mode=cpt", f"train.max_steps={w.steps}", "train.lr_scheduler=wsd", f"train.learning_rate={w.learning_rate}",
+        "loss.mode=cpt", f"train.max_steps={steps}", "train.lr_scheduler=wsd", f"train.learning_rate={w.learning_rate}",
         f"train.min_learning_rate={w.min_learning_rate}", f"train.warmup_steps={max(1, w.steps // 50)}",
         f"train.eval_every={w.eval_every}", f"train.eval_texts=[{tune}]", "train.eval_max_documents=null",
         f"train.save_steps={w.eval_every}", f"train.logging_steps={max(1, w.eval_every // 5)}", "data.seed=0",
-        "train.seed=0", f"output_dir={work / 'warmup' / name}"])
+        "train.seed=0", f"output_dir={folder}", *([f"train.continue_from={stages[stage - 1][1]}"] if stage else [])])
 
 
 def warmup_curve(run_dir: Path) -> list[dict]:
@@ -293,17 +306,44 @@ def flattened(curve: list[dict], steps: int, within: float) -> dict:
             "relative_improvement": change, "within": within}
 
 
+def warmup_record(study: WarmStudyConfig, name: str, work: Path) -> dict:
+    """Each warm-up stage run so far: its steps, curve, whether it flattened; and which final model
+    the branches start from (the first stage that flattened, else the last run)."""
+    spec = study.students[name]
+    stages, earlier = [], []
+    for steps, folder in warmup_stages(spec, name, work):
+        curve = warmup_curve(folder)
+        if not curve:
+            break
+        # a continuation restarts from its source's stable phase: its curve goes on from there
+        stable_end = int(stages[-1]["steps"] * 0.8) if stages else 0
+        path = [c for c in earlier if c["step"] <= stable_end] + [c for c in curve if c["step"] > stable_end]
+        stages.append({"steps": steps, "folder": str(folder), "curve": curve,
+                       "finished": (folder / "final" / "config.json").is_file(),
+                       **flattened(path, steps, study.flat_within)})
+        earlier = path
+        if stages[-1]["finished"] and stages[-1]["flattened"]:
+            break
+    last = stages[-1] if stages else None
+    return {"stages": stages, "curve": earlier, **asdict(spec.warmup),
+            "finished": bool(last and last["finished"]), "flattened": last["flattened"] if last else None,
+            "final": str(Path(last["folder"]) / "final") if last else None}
+
+
 def warm_up(study: WarmStudyConfig, name: str, base: Path, warm_folder: str, work: Path) -> Path:
-    """Run (or find finished) the warm-up of ``name``; its final model folder."""
+    """Run (or find finished) the warm-up of ``name``, stage after stage while it has not flattened
+    (conf/repro_real.yaml); the final model folder every arm branches from."""
     from pipeline.train_student.run import run_training
 
-    job = warmup_job(study, name, base, warm_folder, work)
-    final = Path(job.output_dir) / "final"
-    if (final / "config.json").is_file() and (Path(job.output_dir) / "summary.json").is_file():
-        return final
-    print(f"warm-up of {name}: {study.students[name].warmup.steps} steps of plain cpt ({job.output_dir})", flush=True)
-    run_training(job)
-    return final
+    stages = warmup_stages(study.students[name], name, work)
+    for stage, (steps, folder) in enumerate(stages):
+        if not (folder / "final" / "config.json").is_file():
+            print(f"warm-up of {name}: plain cpt to step {steps} ({folder})", flush=True)
+            run_training(warmup_job(study, name, base, warm_folder, work, stage))
+        record = warmup_record(study, name, work)
+        if record["stages"][-1]["flattened"] or stage == len(stages) - 1:
+            return Path(record["final"])
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,36 +453,21 @@ def train_and_measure(run: BranchRun, measures: Measures) -> dict:
     return result
 
 
-def _init_worker() -> None:
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 def run_all(todo: list[BranchRun], measures: Measures | None, parallel: int, train: bool) -> list[dict]:
     """Every finished run's result (those found finished, and the ones trained now when ``train``)."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
+    from repro.runner import run_pool
 
     results = {i: r for i, r in ((i, cached(run)) for i, run in enumerate(todo)) if r is not None}
     pending = [i for i in range(len(todo)) if i not in results]
+
+    def done(i: int, r: dict, n: int) -> None:
+        print(f"[{n}/{len(pending)}] {todo[i].label()}: tuning {r['tune_bits_per_byte']:.4f}, held-out "
+              f"{r['bits_per_byte']:.4f} bits/byte ({r['seconds']:.0f} s)", flush=True)
+
     if pending and train:
         print(f"runs: {len(results)} finished before, {len(pending)} to train", flush=True)
-        with ProcessPoolExecutor(max_workers=parallel, mp_context=get_context("spawn"), initializer=_init_worker) as pool:
-            futures = {pool.submit(train_and_measure, todo[i], measures): i for i in pending}
-            for n, future in enumerate(as_completed(futures), start=1):
-                i = futures[future]
-                try:
-                    results[i] = future.result()
-                except Exception as exc:
-                    raise RuntimeError(f"run {todo[i].label()} failed ({todo[i].job.output_dir}): {exc}") from exc
-                r = results[i]
-                print(f"[{n}/{len(pending)}] {todo[i].label()}: tuning {r['tune_bits_per_byte']:.4f}, held-out "
-                      f"{r['bits_per_byte']:.4f} bits/byte ({r['seconds']:.0f} s)", flush=True)
+        results.update(run_pool({i: (train_and_measure, todo[i], measures) for i in pending}, parallel,
+                                lambda i: f"run {todo[i].label()} ({todo[i].job.output_dir})", done))
     return [results[i] for i in sorted(results)]
 
 
@@ -507,18 +532,23 @@ def plan_lines(study: WarmStudyConfig, work: Path) -> list[str]:
     lines, left, untimed = [], 0.0, []
     for student in study.chosen_students():
         spec = study.students[student]
-        w = warmup_progress(work / "warmup" / student, spec.warmup.steps)
-        if w["done"]:
-            state = "done"
-        else:
-            rate = w["seconds_per_step"]
-            eta = (spec.warmup.steps - w["step"]) * rate if rate else None
-            left += eta or 0.0
-            if eta is None:
-                untimed.append(f"{student}'s warm-up")
-            state = (f"to do, at step {w['step']} of {spec.warmup.steps}"
-                     + (f", about {eta / 60:.0f} min left ({rate:.1f} s a step)" if eta else ", time not measured yet"))
-        lines.append(f"{student}: warm-up ({spec.warmup.steps} steps of cpt): {state}")
+        for stage, (steps, folder) in enumerate(warmup_stages(spec, student, work)):
+            w = warmup_progress(folder, steps)
+            if w["done"]:
+                state = "done"
+            else:
+                rate = w["seconds_per_step"]
+                first = int(warmup_stages(spec, student, work)[stage - 1][0] * 0.8) if stage else 0
+                eta = (steps - max(w["step"], first)) * rate if rate else None
+                left += eta or 0.0
+                if eta is None:
+                    untimed.append(f"{student}'s warm-up to step {steps}")
+                state = (f"to do, at step {max(w['step'], first)} of {steps}"
+                         + (f", about {eta / 60:.0f} min left ({rate:.1f} s a step)" if eta else ", time not measured yet"))
+            lines.append(f"{student}: warm-up {'' if not stage else '(if the stage before did not flatten) '}"
+                         f"to step {steps} (cpt): {state}")
+            if w["done"] and warmup_record(study, student, work)["stages"][stage].get("flattened"):
+                break
         finished = [json.loads(p.read_text()) for p in sorted((work / "runs" / student).glob(f"*/*/*/{RESULT}"))]
         per_run = statistics.fmean(r["seconds"] for r in finished) if finished else None
         sweep = [(a, lr, seed) for seed in study.sweep_seeds for lr in study.learning_rates for a in study.arms]
@@ -593,14 +623,13 @@ def run_study(study: WarmStudyConfig, command: str = "make repro-real") -> dict 
     for name in study.chosen_students():
         spec = study.students[name]
         base = build_student(name, spec.spec(), work) if train else None
-        warm_dir = work / "warmup" / name
-        warm = warm_up(study, name, base, folders["warmup"], work) if train else warm_dir / "final"
-        curve = warmup_curve(warm_dir)
-        record = {"warmup": {"curve": curve, **flattened(curve, spec.warmup.steps, study.flat_within),
-                             "finished": (warm / "config.json").is_file(), **asdict(spec.warmup)}}
+        if train:
+            warm_up(study, name, base, folders["warmup"], work)
+        record = {"warmup": warmup_record(study, name, work)}
         students[name] = record
         if not record["warmup"]["finished"]:
             continue
+        warm = Path(record["warmup"]["final"])
         sweep = [branch_run(study, work, "sweep", name, arm, lr, seed, warm, folders["train"], inputs)
                  for seed in study.sweep_seeds for lr in study.learning_rates for arm in study.arms]
         done = run_all(sweep, measures, study.parallel, train)

@@ -34,7 +34,8 @@ def compare(results: list[dict], a: str, b: str, claimed: int, endpoint: str, so
     if not seeds:
         return None
     test = paired_test([by_seed[a][s] - by_seed[b][s] for s in seeds])
-    return {**test, "seeds": seeds, "verdict": verdict(test, claimed)}
+    return {**test, "seeds": seeds, "verdict": verdict(test, claimed),
+            "mean_a": statistics.fmean(by_seed[a][s] for s in seeds), "mean_b": statistics.fmean(by_seed[b][s] for s in seeds)}
 
 
 def _cell(test: dict | None) -> str:
@@ -134,15 +135,22 @@ def write_report(study, students: dict, results: list[dict], corpus: dict, folde
 def _student_lines(study, name: str, rec: dict, analysis: dict, plotted: bool) -> list[str]:
     w = rec["warmup"]
     lines = [f"## {name}", "", "### Warm-up", ""]
-    if not w["curve"]:
+    if not w["stages"]:
         return lines + ["Not started.", ""]
-    flat = {True: "flattened", False: "did not flatten", None: "not judged"}[w["flattened"]]
-    lines += [f"{w['steps']} steps of plain cpt on the warm-up text (peak rate {w['learning_rate']:g}, warm-up-stable-"
-              f"decay); tuning bits per byte {w['curve'][0]['bits_per_byte']:.4f} at step {w['curve'][0]['step']} -> "
-              f"{w['curve'][-1]['bits_per_byte']:.4f} at step {w['curve'][-1]['step']}"
-              + ("" if w["finished"] else " (still running)") + f". Criterion: {flat}"
-              + (f" (steps {w['from_step']}-{w['to_step']} of the stable phase improved {w['relative_improvement']:.2%}, "
-                 f"threshold {w['within']:.0%})." if w.get("from_step") is not None else "."), ""]
+    lines += [f"Plain cpt on the warm-up text, warm-up-stable-decay at peak rate {w['learning_rate']:g}; the "
+              f"tuning text's bits per byte every {w['eval_every']} steps. Flattened (the design's rule): over the "
+              "last quarter of a stage's stable phase the tuning bits per byte improved by less than "
+              f"{study.flat_within:.0%}; a stage that did not flatten is continued from its stable phase to the "
+              "next stage's steps.", ""]
+    for st in w["stages"]:
+        flat = {True: "flattened", False: "did not flatten", None: "not judged"}[st["flattened"]]
+        lines.append(f"- to step {st['steps']}: {st['curve'][0]['bits_per_byte']:.4f} at step {st['curve'][0]['step']} "
+                     f"-> {st['curve'][-1]['bits_per_byte']:.4f} at step {st['curve'][-1]['step']}"
+                     + ("" if st["finished"] else " (still running)") + f"; {flat}"
+                     + (f" (steps {st['from_step']}-{st['to_step']}: {st['relative_improvement']:.2%} better)"
+                        if st.get("from_step") is not None else ""))
+    lines += ["", f"Every arm branches from {w['final']} (tuning bits per byte {w['curve'][-1]['bits_per_byte']:.4f})."
+              if w["finished"] else "The warm-up has not finished: no branch has started.", ""]
     if plotted:
         lines += ["![warm-up curves](warmup.png)", ""]
     lines += ["| step | " + " | ".join(str(c["step"]) for c in w["curve"]) + " |",
