@@ -362,9 +362,13 @@ class BranchRun:
     job: object  # TrainJobConfig
     window: int
     inputs: str  # digest of what the measures read (tuning and held-out text, the teacher's held-out losses)
+    overrides: tuple = ()  # the stage-2 settings as written: the run's recipe
 
     def key(self) -> str:
-        recipe = {"job": asdict(self.job), "window": self.window, "inputs": self.inputs}
+        """The run's recipe as written (its stage-2 settings, the measures' inputs), not the job's
+        every field: a setting that a later version of stage 2 adds with its default does not make
+        the study train a finished run again."""
+        recipe = {"overrides": list(self.overrides), "window": self.window, "inputs": self.inputs}
         return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def label(self) -> str:
@@ -378,12 +382,12 @@ def run_dir(work: Path, phase: str, student: str, arm: str, lr: float, seed: int
 def branch_run(study: WarmStudyConfig, work: Path, phase: str, student: str, arm: str, lr: float, seed: int,
                warm: Path, scored: str, inputs: str) -> BranchRun:
     spec = study.students[student]
-    job = stage2_job([
+    overrides = [
         *student_overrides(student, spec, warm, work), *study.branch_overrides, *study.arms[arm],
         f"data.folders=[{scored}]", f"data.teacher={teacher_label(study)}", f"data.corpus={CORPUS_NAME}",
         f"data.seed={seed}", f"train.seed={seed}", f"train.learning_rate={lr}", f"train.min_learning_rate={lr / 10}",
-        "train.save_steps=100000", f"output_dir={run_dir(work, phase, student, arm, lr, seed)}", "overwrite=true"])
-    return BranchRun(phase, student, arm, lr, seed, job, spec.seq_len - 1, inputs)
+        "train.save_steps=100000", f"output_dir={run_dir(work, phase, student, arm, lr, seed)}", "overwrite=true"]
+    return BranchRun(phase, student, arm, lr, seed, stage2_job(overrides), spec.seq_len - 1, inputs, tuple(overrides))
 
 
 def cached(run: BranchRun) -> dict | None:
