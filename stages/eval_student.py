@@ -34,7 +34,7 @@ from pipeline.evaluation.run import (
 )
 from pipeline.evaluation.tasks import TASKS
 from pipeline.folders.model_source import local_model_problem
-from pipeline.folders.output_folder import overlap_problem
+from pipeline.folders.output_folder import check_writable, overlap_problem
 from stages.common import build, entry_point, plain, quiet_libraries, raise_if
 from storage_schemas import filesystem as sfs
 
@@ -158,6 +158,7 @@ def print_result(record: dict, out_dir: str) -> None:
 def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg)
+    check_writable({"out_dir" if cfg.get("out_dir") else "eval_root": job.output_dir})  # before the checkpoint loads
     record = run_evaluation(job)
     print_result(record, job.output_dir)
 

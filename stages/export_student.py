@@ -18,7 +18,7 @@ from rich.table import Table
 
 from pipeline.export_student.config import ExportJobConfig, config_defaults, export_job_config
 from stages.common import entry_point, plain, quiet_libraries, store_row
-from stages.train_student import build_embedded
+from stages.train_student import build_embedded, check_folders
 
 if TYPE_CHECKING:  # the export's job imports torch: main imports it after the check
     from pipeline.export_student.job import ExportSummary
@@ -59,6 +59,7 @@ def main(cfg: DictConfig) -> None:
 
     quiet_libraries()
     job = job_config(cfg, check_files=True)
+    check_folders(cfg, job.output_dir, job.data.cache_dir)  # one line before anything is built or read
     build_embedded(cfg)
     summary = run_export(job)
     print_summary(summary)

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
+from pipeline.folders.output_folder import check_writable
 from pipeline.train_student.checkpoints import TENSORBOARD_NAME
 from pipeline.train_student.config import (
     TrainJobConfig,
@@ -105,6 +106,17 @@ def build_embedded(cfg: DictConfig) -> None:
                                     spec=TinyStudentSpec(vocab_size=b.vocab_size, seed=b.seed))
     if Path(built).resolve() != Path(to_absolute_path(cfg.student.model)).resolve():
         raise ConfigError(f"student.model {cfg.student.model} is not where the tiny student is built ({built})")
+
+
+def check_folders(cfg: DictConfig, output_dir: str | None, cache_dir: str | None) -> None:
+    """One line each (:func:`pipeline.folders.output_folder.check_writable`) for a folder the command
+    would write that cannot be made or written: the run's (or export's) folder, the length cache and,
+    for the embedded student, ``artifacts_dir``. On global rank 0 only: the ranks would race making
+    and removing the same probe, and the launcher ends the others when rank 0 stops."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    check_writable({"output_dir": output_dir, "data.cache_dir": cache_dir,
+                    "artifacts_dir": to_absolute_path(cfg.artifacts_dir) if cfg.student.get("embedded") else None})
 
 
 def print_summary(s: TrainSummary, console: Console | None = None) -> None:
@@ -206,6 +218,7 @@ def main(cfg: DictConfig) -> None:
     quiet_libraries()
     job = job_config(cfg, check_files=True)
     raise_if(launch_problems())  # before the embedded student is built
+    check_folders(cfg, None if cfg.get("plan") else job.output_dir, job.data.cache_dir)  # plan=true writes no run
     build_embedded(cfg)
     check_student_source(job.student)  # one clear line, before any work, if a hub student cannot be had
     if cfg.get("plan"):  # the bill only: the manifests, a sample of documents, the student's tokenizer

@@ -157,3 +157,43 @@ def test_two_weights_for_one_teacher_are_refused_before_the_data_is_counted(micr
         "teacher): weights combine several teachers, so with one leave out loss.combine and loss.teacher_weights, "
         "or add the other teachers' folders to data.folders\n")
     assert not (tmp_path / "lengths").exists() and not (tmp_path / "out").exists()
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize(("stage", "where"), [("train_student", "under a file"), ("train_student", "under /proc"),
+                                               ("export_student", "under /proc"), ("eval_student", "under a file")])
+def test_an_output_folder_that_cannot_be_made_is_one_line_before_any_work(stage, where, tiny_student, tmp_path):
+    """train-student's and export-student's ``output_dir``, eval-student's ``out_dir``, under a
+    regular file or under ``/proc``: the line of :func:`pipeline.folders.output_folder.unwritable_problem`
+    (whose verdict its own test holds against the system's), exit status 2, before the student, the
+    data or the checkpoint is read (the scored folder is a stand-in); nothing made but Hydra's logs."""
+    from pipeline.folders.output_folder import unwritable_problem
+
+    scored = stand_in_scored(tmp_path / "scored")  # not a dataset: read only after the check
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder\n")
+    out = notes / "out" if where == "under a file" else Path("/proc/vocagno-out")
+    held = tmp_path / "held.txt"
+    held.write_text("a held-out sentence of plain text.\n")
+    args = {
+        "train_student": ["student.embedded=false", f"student.model={tiny_student}", "student.seq_len=32",
+                          f"data.folders=[{scored}]", f"data.cache_dir={tmp_path / 'lengths'}", "train.max_steps=2",
+                          "train.use_cpu=true", f"output_dir={out}"],
+        "export_student": ["student.embedded=false", "student.name=t", f"student.model={tiny_student}",
+                           "student.seq_len=32", f"data.folders=[{scored}]", f"data.cache_dir={tmp_path / 'lengths'}",
+                           f"output_dir={out}"],
+        "eval_student": [f"checkpoint={tiny_student}", "tasks=[]", f"bits_per_byte.texts=[{held}]", f"out_dir={out}"],
+    }[stage]
+    setting = "out_dir" if stage == "eval_student" else "output_dir"
+    before = files(tmp_path)
+    result = subprocess.run([sys.executable, "-m", f"stages.{stage}", f"hydra.run.dir={tmp_path / 'logs'}", *args],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "VOCAGNO_TRACEBACK": "", "HF_HUB_OFFLINE": "1"})
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0] == f"error: {unwritable_problem(out, setting)}"
+    assert lines[0].startswith(f"error: {setting} {out}: cannot be made")
+    assert [f for f in files(tmp_path) if not f.startswith("logs")] == before, "nothing built, counted or written"
