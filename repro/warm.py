@@ -141,7 +141,7 @@ class WarmStudyConfig:
             found.append("learning_rates: none given")
         if len(self.sweep_seeds) < 2:
             found.append("sweep_seeds: at least two (the pilot's paired sd needs two seeds)")
-        for name in self.students_only:
+        for name in self.students_only if self.students else ():  # (built after the rest: study_config)
             if name not in self.students:
                 found.append(f"students_only: {name!r} is not one of students ({', '.join(self.students)})")
         if set(self.endpoints) != set(ENDPOINTS):
@@ -658,8 +658,8 @@ def run_study(study: WarmStudyConfig, command: str = "make repro-real") -> dict 
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(WarmStudyConfig)
-            if f.default is not dataclasses.MISSING and f.name not in ("corpus",)}
+DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(WarmStudyConfig) if f.name != "corpus"}
 
 
 @entry_point("repro_real", DEFAULTS, check=study_config)
