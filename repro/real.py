@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.runtime.config import build, check_at_least, raise_if
 from repro.realtext import RealCorpusConfig, build_real_corpus
-from repro.warm_report import PARTIAL, finished_runs
+from repro.warm_report import PARTIAL, finished_runs, recorded_student
 from stages.common import entry_point, quiet_libraries
 
 log = logging.getLogger("repro.real")
@@ -70,20 +70,6 @@ class StudentSpec:
         if self.hidden_size % self.heads:
             found.append(f"hidden_size: {self.hidden_size} is not a multiple of heads ({self.heads})")
         return found
-
-
-def recorded_student(spec: dict) -> dict:
-    """A student as a report records it: for a pretrained folder its own shape (config.json), never
-    the defaults of the fields that only a new model uses."""
-    if not spec.get("model"):
-        return spec
-    shape = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
-             "kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size"}
-    try:
-        config = json.loads((Path(to_absolute_path(spec["model"])) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {k: v for k, v in spec.items() if k not in shape and k != "seed"}
-    return {**{k: v for k, v in spec.items() if k != "seed"}, **{k: config.get(c) for k, c in shape.items()}}
 
 
 @dataclass(frozen=True)

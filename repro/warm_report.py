@@ -72,6 +72,20 @@ def student_report(study, name: str, record: dict, results: list[dict]) -> dict:
     return {"claims": claims, "arms": arms, "sources": sources, "study_pooled_sd": study_sd}
 
 
+def recorded_student(spec: dict) -> dict:
+    """A student as a report records it: for a pretrained folder its own shape (config.json), never
+    the defaults of the fields that only a new model uses."""
+    if not spec.get("model"):
+        return spec
+    shape = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+             "kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size"}
+    try:
+        config = json.loads((Path(to_absolute_path(spec["model"])) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {k: v for k, v in spec.items() if k not in shape and k != "seed"}
+    return {**{k: v for k, v in spec.items() if k != "seed"}, **{k: config.get(c) for k, c in shape.items()}}
+
+
 def finished_runs(report_json: Path) -> int:
     """How many finished runs a report holds (0 when there is none or it cannot be read)."""
     try:
@@ -97,8 +111,6 @@ def write_report(study, students: dict, results: list[dict], corpus: dict, folde
     from storage_schemas import write_json_atomic
 
     per_student = {name: student_report(study, name, rec, results) for name, rec in students.items()}
-    from repro.real import recorded_student
-
     design = {k: v for k, v in asdict(study).items() if k not in ("realtext_dir", "work_dir", "report_dir", "artifacts_dir")}
     design["students"] = {k: recorded_student(v) for k, v in design["students"].items()}
     record = {**meta, "design": design,

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from pipeline.runtime.config import UserError
 from storage_schemas import filesystem as sfs
 from storage_schemas.reader import ScoredDataset
@@ -90,18 +92,16 @@ def text_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch
 class TokenLosses:
     """One text's tokens: ids, character spans ``[starts, ends)`` and each token's loss in nats."""
 
-    ids: "np.ndarray"
-    starts: "np.ndarray"
-    ends: "np.ndarray"
-    nats: "np.ndarray"  # float64
+    ids: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    nats: np.ndarray  # float64
 
 
 def token_losses(model, tokenizer, texts: Sequence[str], window: int = 256, batch_size: int = 16) -> list[TokenLosses]:
     """Per text, every token's next-token loss with its character span: the same predictions as
     :func:`text_losses` (whose sums these are), kept per token so that a part of the text can be
     measured (needs a fast tokenizer, for the offsets)."""
-    import numpy as np
-
     enc = tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True,
                     return_offsets_mapping=True) if texts else {"input_ids": [], "offset_mapping": []}
     encoded = enc["input_ids"]

@@ -143,7 +143,8 @@ def test_the_warm_study_runs_end_to_end_resumes_and_never_loses_a_report(texts_d
 def test_a_pretrained_student_is_recorded_with_its_own_shape():
     """stories260K is dim 64, 5 layers, 8 heads, 4 KV heads (llama2.c's model card); a report records
     that, never the new-model fields' defaults (4 layers, 4 heads)."""
-    from repro.real import StudentSpec, recorded_student
+    from repro.real import StudentSpec
+    from repro.warm_report import recorded_student
 
     if not (SHARED_MODELS / "stories260K" / "config.json").is_file():
         pytest.skip("stories260K is not in the shared folder")
