@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from filelock import FileLock
 from hydra.utils import to_absolute_path
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
@@ -32,8 +32,7 @@ from pipeline.train_student.config import (
     check_student_source,
     config_defaults,
     launch_problems,
-    run_corpus_name,
-    scored_names,
+    register_run_name_resolvers,
     train_job_config,
 )
 from stages.common import (
@@ -56,22 +55,7 @@ if TYPE_CHECKING:  # the plan and the run import torch and transformers: main im
 
 log = logging.getLogger("train_student")
 
-
-
-def _run_names(corpus: str, teacher: str, mixture, folders) -> tuple[str, str]:
-    """The corpus and teacher parts of a run's default folder: a mixture's corpus part is named
-    after its corpora; otherwise both are what the scored folders' manifests say
-    (:func:`scored_names`), else ``data.corpus`` and ``data.teacher`` (docs/storage-schema.md,
-    "What a student run writes")."""
-    if mixture:
-        return run_corpus_name(corpus, [str(c.get("name")) for c in mixture]), teacher
-    return scored_names(list(folders or [])) or (corpus, teacher)
-
-
-# ``${run_corpus:${data.corpus},${data.teacher},${data.mixture},${data.folders}}`` and ``${run_teacher:...}``
-# (the same arguments) in conf/train_student.yaml: the run folder's corpus part and the run name's teacher part.
-OmegaConf.register_new_resolver("run_corpus", lambda *a: _run_names(*a)[0], replace=True)
-OmegaConf.register_new_resolver("run_teacher", lambda *a: _run_names(*a)[1], replace=True)
+register_run_name_resolvers()  # ${run_corpus:...} and ${run_teacher:...} in conf/train_student.yaml
 
 
 def job_config(cfg: DictConfig, check_files: bool = False) -> TrainJobConfig:

@@ -54,6 +54,22 @@ def test_scored_folders_name_the_run_folder(tiny_student, micro_scored, tmp_path
     assert compose(["student_root=students"]).output_dir == "students/owm-sample/tiny-tiny-guided"
 
 
+def test_scored_folders_name_the_export_folder(micro_scored, tmp_path):
+    """conf/export_student.yaml as the command composes it: an export of ``data.folders`` alone is
+    filed under the manifest's corpus and teacher (``<export_root>/<corpus>/<teacher>/...``), not
+    the quick start's ``owm-sample/tiny``."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    import stages.export_student  # noqa: F401  (registers the export's defaults and the folder resolvers)
+    from stages.common import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        named = hydra_compose("export_student", [f"data.folders=[{micro_scored}]", "export_root=exports"])
+        plain = hydra_compose("export_student", ["export_root=exports"])
+    assert named.output_dir == f"exports/{CORPUS}/{TEACHER}/tiny-packed"
+    assert plain.output_dir == "exports/owm-sample/tiny/tiny-packed"
+
+
 @pytest.mark.long
 def test_a_run_of_scored_folders_is_filed_under_their_corpus_and_names_every_teacher(tiny_student, micro_scored,
                                                                                      tmp_path):
