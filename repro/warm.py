@@ -129,6 +129,8 @@ class WarmStudyConfig:
     branch_overrides: list[str] = field(default_factory=list)
     arms: dict = field(default_factory=dict)  # name -> stage-2 overrides
     learning_rates: list[float] = field(default_factory=list)
+    rates_below: list[float] = field(default_factory=list)  # tried in turn while an arm's best rate is its lowest
+    rates_above: list[float] = field(default_factory=list)  # tried in turn while an arm's best rate is its highest
     sweep_seeds: list[int] = field(default_factory=list)
     endpoints: dict = field(default_factory=dict)  # name -> what it measures (the design's words)
     comparisons: list = field(default_factory=list)  # [a, b, claimed sign]
@@ -475,22 +477,54 @@ def run_all(todo: list[BranchRun], measures: Measures | None, parallel: int, tra
     return [results[i] for i in sorted(results)]
 
 
+def _tune_means(study: WarmStudyConfig, student: str, arm: str, results: list[dict]) -> dict[float, float]:
+    """Mean tuning bits per byte of each rate whose sweep seeds all finished."""
+    means = {}
+    for lr in {r["learning_rate"] for r in results}:
+        values = [r["tune_bits_per_byte"] for r in results if r["phase"] == "sweep" and r["student"] == student
+                  and r["arm"] == arm and r["learning_rate"] == lr]
+        if len(values) == len(study.sweep_seeds):
+            means[lr] = statistics.fmean(values)
+    return means
+
+
+def arm_grid(study: WarmStudyConfig, student: str, arm: str, results: list[dict]) -> list[float]:
+    """The rates an arm's sweep tries: the design's grid, then, while every rate tried has finished
+    and the best is the lowest (highest) of them, the next of ``rates_below`` (``rates_above``)."""
+    grid = sorted(study.learning_rates)
+    means = _tune_means(study, student, arm, results)
+    below, above = list(study.rates_below), list(study.rates_above)
+    while all(lr in means for lr in grid):
+        best = min(grid, key=means.__getitem__)
+        if best == grid[0] and below:
+            grid.insert(0, below.pop(0))
+        elif best == grid[-1] and above:
+            grid.append(above.pop(0))
+        else:
+            break
+    return grid
+
+
 def choose_rates(study: WarmStudyConfig, student: str, results: list[dict]) -> dict:
     """Per arm: the learning rate of lowest mean tuning bits per byte over the sweep seeds (an arm
-    whose sweep is not finished has no rate yet), and whether it lies on an edge of the grid."""
+    whose sweep is not finished has no rate yet), and whether it lies on an edge of what was tried
+    with no further rate to try there."""
     out = {}
     for arm in study.arms:
-        means = {}
-        for lr in study.learning_rates:
-            values = [r["tune_bits_per_byte"] for r in results if r["phase"] == "sweep" and r["student"] == student
-                      and r["arm"] == arm and r["learning_rate"] == lr]
-            if len(values) == len(study.sweep_seeds):
-                means[lr] = statistics.fmean(values)
-        if len(means) == len(study.learning_rates):
-            best = min(means, key=means.__getitem__)
-            out[arm] = {"learning_rate": best, "tune_means": {f"{k:g}": v for k, v in means.items()},
-                        "edge": best in (min(study.learning_rates), max(study.learning_rates))}
+        grid = arm_grid(study, student, arm, results)
+        means = _tune_means(study, student, arm, results)
+        if all(lr in means for lr in grid):
+            best = min(grid, key=means.__getitem__)
+            out[arm] = {"learning_rate": best, "tune_means": {f"{k:g}": means[k] for k in grid},
+                        "edge": best in (grid[0], grid[-1])}
     return out
+
+
+def sweep_runs(study: WarmStudyConfig, student: str, results: list[dict]) -> list[tuple[str, float, int]]:
+    """``(arm, rate, seed)`` of every sweep run the grids call for now, seed by seed."""
+    grids = {arm: arm_grid(study, student, arm, results) for arm in study.arms}
+    return [(arm, lr, seed) for seed in study.sweep_seeds for lr in sorted({x for g in grids.values() for x in g})
+            for arm in study.arms if lr in grids[arm]]
 
 
 def pilot(study: WarmStudyConfig, student: str, rates: dict, results: list[dict]) -> dict | None:
@@ -555,10 +589,11 @@ def plan_lines(study: WarmStudyConfig, work: Path) -> list[str]:
                 break
         finished = [json.loads(p.read_text()) for p in sorted((work / "runs" / student).glob(f"*/*/*/{RESULT}"))]
         per_run = statistics.fmean(r["seconds"] for r in finished) if finished else None
-        sweep = [(a, lr, seed) for seed in study.sweep_seeds for lr in study.learning_rates for a in study.arms]
+        sweep = sweep_runs(study, student, [r for r in finished if r.get("phase") == "sweep"])
         done = [t for t in sweep if (run_dir(work, "sweep", student, *t) / RESULT).is_file()]
         lines.append(f"{student}: sweep: {len(done)} of {len(sweep)} runs done ({len(study.arms)} arms x "
-                     f"{len(study.learning_rates)} rates x {len(study.sweep_seeds)} seeds)")
+                     f"{len(study.learning_rates)} rates x {len(study.sweep_seeds)} seeds, and the rates an arm adds "
+                     "while its best sits on an edge)")
         for arm, lr, seed in sweep:
             mark = "done " if (arm, lr, seed) in done else "to do"
             lines.append(f"  {mark} sweep   {arm:<20} lr {lr:<8g} seed {seed}")
@@ -634,9 +669,13 @@ def run_study(study: WarmStudyConfig, command: str = "make repro-real") -> dict 
         if not record["warmup"]["finished"]:
             continue
         warm = Path(record["warmup"]["final"])
-        sweep = [branch_run(study, work, "sweep", name, arm, lr, seed, warm, folders["train"], inputs)
-                 for seed in study.sweep_seeds for lr in study.learning_rates for arm in study.arms]
-        done = run_all(sweep, measures, study.parallel, train)
+        done: list[dict] = []
+        while True:  # the grids grow while an arm's best rate sits on an edge with a rate left to try
+            sweep = [branch_run(study, work, "sweep", name, arm, lr, seed, warm, folders["train"], inputs)
+                     for arm, lr, seed in sweep_runs(study, name, done)]
+            done = run_all(sweep, measures, study.parallel, train)
+            if not train or len(sweep_runs(study, name, done)) == len(sweep):
+                break
         rates = choose_rates(study, name, done)
         chosen = pilot(study, name, rates, done)
         record.update(rates=rates, pilot=chosen)

@@ -169,17 +169,19 @@ def _student_lines(study, name: str, rec: dict, analysis: dict, plotted: bool) -
               "|---|" + "---|" * len(w["curve"]),
               "| tuning bits/byte | " + " | ".join(f"{c['bits_per_byte']:.4f}" for c in w["curve"]) + " |", ""]
     rates = rec.get("rates") or {}
+    tried = sorted({float(k) for r in rates.values() for k in r["tune_means"]} | set(study.learning_rates))
     lines += ["### Learning rates (sweep seeds " + ", ".join(map(str, study.sweep_seeds)) + ")", "",
-              "Mean tuning bits per byte of each arm at each rate; the arm's rate is its lowest.", "",
-              "| arm | " + " | ".join(f"{lr:g}" for lr in study.learning_rates) + " | chosen |",
-              "|---|" + "---|" * (len(study.learning_rates) + 1)]
+              "Mean tuning bits per byte of each arm at each rate it tried (the design's grid, and the rates below or "
+              "above it an arm tries while its best is on an edge); the arm's rate is its lowest.", "",
+              "| arm | " + " | ".join(f"{lr:g}" for lr in tried) + " | chosen |", "|---|" + "---|" * (len(tried) + 1)]
     for arm in study.arms:
         r = rates.get(arm)
         if r is None:
-            lines.append(f"| {arm} | " + " | ".join("..." for _ in study.learning_rates) + " | sweep not finished |")
+            lines.append(f"| {arm} | " + " | ".join("..." for _ in tried) + " | sweep not finished |")
             continue
-        lines.append(f"| {arm} | " + " | ".join(f"{r['tune_means'][f'{lr:g}']:.4f}" for lr in study.learning_rates)
-                     + f" | {r['learning_rate']:g}" + (" (edge of the grid)" if r["edge"] else "") + " |")
+        lines.append(f"| {arm} | " + " | ".join(f"{r['tune_means'][f'{lr:g}']:.4f}" if f"{lr:g}" in r["tune_means"]
+                                                 else "-" for lr in tried)
+                     + f" | {r['learning_rate']:g}" + (" (edge: no rate left to try)" if r["edge"] else "") + " |")
     p = rec.get("pilot")
     if p:
         sd = f"{p['pooled_sd']:.4f}" if p["pooled_sd"] is not None else "n/a"

@@ -61,7 +61,7 @@ def small_study(texts_dir, micro_teacher, tmp_path):
                           "data.token_ratio_bound=4.0"],
         arms={"cpt": ["loss.mode=cpt"], "guided": ["loss.mode=guided"],
               "no_bytes": ["loss.mode=guided", "loss.byte_fallback=exclude"]},
-        learning_rates=[1e-4, 3e-3], sweep_seeds=[100, 101],
+        learning_rates=[1e-4, 3e-3], rates_below=[3e-5], sweep_seeds=[100, 101],
         endpoints={e: e for e in ("overall", "teacher_easy", "teacher_hard", "gsm8k_answers")},
         comparisons=[["guided", "cpt", -1], ["no_bytes", "guided", -1]],
         sizing={"delta": 0.5, "power": 0.8, "min_seeds": 2, "max_seeds": 2})
@@ -80,7 +80,8 @@ def test_the_warm_study_runs_end_to_end_resumes_and_never_loses_a_report(texts_d
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         record = run_study(study)
         results = record["results"]
-        assert len(results) == 3 * 2 * 2 + 3 * 2  # the sweep, then 3 arms x 2 seeds
+        extra = sum(1 for r in results if r["learning_rate"] == 3e-5)  # an arm whose best was 1e-4 tried 3e-5
+        assert len(results) == 3 * 2 * 2 + extra + 3 * 2 and extra % 2 == 0  # the sweep, then 3 arms x 2 seeds
         # a rerun trains nothing: every run is found by its recipe
         again = run_study(study)
         assert [r["seconds"] for r in again["results"]] == [r["seconds"] for r in results]
@@ -92,8 +93,9 @@ def test_the_warm_study_runs_end_to_end_resumes_and_never_loses_a_report(texts_d
         assert warm.is_dir()
         # each arm's rate is the lowest mean tuning bits per byte over the sweep seeds, recomputed here
         for arm, chosen in stories["rates"].items():
+            tried = {r["learning_rate"] for r in results if r["phase"] == "sweep" and r["arm"] == arm}
             means = {lr: statistics.fmean(r["tune_bits_per_byte"] for r in results if r["phase"] == "sweep"
-                                          and r["arm"] == arm and r["learning_rate"] == lr) for lr in study.learning_rates}
+                                          and r["arm"] == arm and r["learning_rate"] == lr) for lr in tried}
             assert chosen["learning_rate"] == min(means, key=means.get)
             assert all(r["learning_rate"] == chosen["learning_rate"] for r in results
                        if r["phase"] == "compare" and r["arm"] == arm)
@@ -128,7 +130,7 @@ def test_the_warm_study_runs_end_to_end_resumes_and_never_loses_a_report(texts_d
         capsys.readouterr()
         run_study(dataclasses.replace(study, plan=True))
         plan = capsys.readouterr().out
-        assert plan.count("done  sweep") == 12 and plan.count("done  compare") == 6 and "0 runs to do" in plan
+        assert plan.count("done  sweep") == 12 + extra and plan.count("done  compare") == 6 and "0 runs to do" in plan
         assert sorted(p for p in Path(study.work_dir).rglob("*") if p.is_file()) == before
 
         # a report of fewer runs (one seed of the sweep) never replaces the one that holds more
@@ -137,6 +139,7 @@ def test_the_warm_study_runs_end_to_end_resumes_and_never_loses_a_report(texts_d
         run_study(fewer)
         assert (Path(study.report_dir) / "report.json").read_text() == saved
         partial = json.loads((Path(study.report_dir) / "partial" / "report.json").read_text())
+        # seed 102 never ran, so no rate's sweep is finished and no grid grows: the design's 2 rates x 3 arms
         assert len(partial["results"]) == 6 < len(json.loads(saved)["results"])
 
 
@@ -153,3 +156,30 @@ def test_a_pretrained_student_is_recorded_with_its_own_shape():
     assert (shape["hidden_size"], shape["layers"], shape["heads"], shape["kv_heads"]) == (64, 5, 8, 4)
     new = dataclasses.asdict(StudentSpec(tokenizer="t", hidden_size=128, layers=4, heads=4))
     assert recorded_student(new) == new  # a new model's shape is its spec
+
+
+def test_an_arm_whose_best_rate_is_on_an_edge_tries_the_next_rate_out():
+    """The grid of one arm as the sweep grows it, worked by hand: the best on the low edge adds the
+    first of rates_below, then the next while it stays best; on the high edge rates_above; an inner
+    best stops the growth; an unfinished rate stops it too."""
+    from repro.warm import WarmStudyConfig, arm_grid, choose_rates
+
+    study = WarmStudyConfig(learning_rates=[3e-4, 1e-3, 3e-3], rates_below=[1e-4, 3e-5], rates_above=[1e-2],
+                            sweep_seeds=[0, 1], arms={"a": []})
+
+    def runs(values: dict[float, float], seeds=(0, 1)) -> list[dict]:
+        return [{"phase": "sweep", "student": "s", "arm": "a", "learning_rate": lr, "seed": s, "tune_bits_per_byte": v}
+                for lr, v in values.items() for s in seeds]
+
+    assert arm_grid(study, "s", "a", []) == [3e-4, 1e-3, 3e-3]
+    assert arm_grid(study, "s", "a", runs({3e-4: 1.0, 1e-3: 1.1})) == [3e-4, 1e-3, 3e-3]  # 3e-3 unfinished
+    low = {3e-4: 1.0, 1e-3: 1.1, 3e-3: 1.2}
+    assert arm_grid(study, "s", "a", runs(low)) == [1e-4, 3e-4, 1e-3, 3e-3]
+    assert arm_grid(study, "s", "a", runs({**low, 1e-4: 0.9})) == [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
+    assert arm_grid(study, "s", "a", runs({**low, 1e-4: 1.05})) == [1e-4, 3e-4, 1e-3, 3e-3]  # 3e-4 inner: stop
+    everything = runs({**low, 1e-4: 0.9, 3e-5: 0.8})
+    assert choose_rates(study, "s", everything)["a"] == {
+        "learning_rate": 3e-5, "edge": True,  # the lowest with no rate left below
+        "tune_means": {"3e-05": 0.8, "0.0001": 0.9, "0.0003": 1.0, "0.001": 1.1, "0.003": 1.2}}
+    assert arm_grid(study, "s", "a", runs({3e-4: 1.2, 1e-3: 1.1, 3e-3: 1.0})) == [3e-4, 1e-3, 3e-3, 1e-2]
+    assert "a" not in choose_rates(study, "s", runs(low, seeds=(0,)))  # one seed of two: not finished
