@@ -43,11 +43,12 @@ def own_corpus(micro_teacher, micro_corpus, project):
     actor given 4 CPUs of a local Ray cluster that says it has 4."""
     args = ["data=open-web-math", "data.name=spacey", "data.source=files", f"data.files=[{micro_corpus[0]}]",
             "data.limit_docs=40", "data.rows_per_shard=20", "teacher=tiny", "teacher.embedded=false",
-            f"teacher.model={micro_teacher}", "teacher.window=32", "teacher.num_cpus=4", "ray.num_cpus=4",
-            "progress=false", f"output_root={project / 'scored'}", f"artifacts_dir={project / 'artifacts'}"]
+            "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.window=32", "teacher.num_cpus=4",
+            "ray.num_cpus=4", "progress=false", f"output_root={project / 'scored'}",
+            f"artifacts_dir={project / 'artifacts'}"]
     first = run("stages.score_teacher", *args, f"hydra.run.dir={project / 'logs' / 'first'}")
     assert first.returncode == 0, first.stderr[-3000:]
-    return project / "scored" / "spacey" / "tiny" / "v1", args, first
+    return project / "scored" / "spacey" / "micro" / "v1", args, first
 
 
 def test_a_real_stage1_run_prints_only_the_projects_lines(own_corpus):

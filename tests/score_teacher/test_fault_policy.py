@@ -117,10 +117,11 @@ def test_skip_records_the_bad_shards_and_a_rerun_scores_them(micro_teacher, micr
 def _stage(micro_teacher, micro_corpus, tmp_path: Path, *overrides: str, env: dict | None = None):
     """Stage 1's entry point on the micro teacher and corpus, its own local Ray of one CPU."""
     args = [sys.executable, "-m", "stages.score_teacher", "teacher=tiny", "teacher.embedded=false",
-            f"teacher.model={micro_teacher}", "teacher.num_cpus=1", "teacher.stride=null", "data=sample",
-            "data.embedded=false", f"data.files=[{','.join(map(str, micro_corpus))}]", "data.rows_per_shard=40",
-            "ray.num_cpus=1", "pool.num_actors=1", "progress=false", f"output_dir={tmp_path / 'out'}",
-            f"artifacts_dir={tmp_path / 'artifacts'}", f"hydra.run.dir={tmp_path / 'logs'}", *overrides]
+            "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.num_cpus=1", "teacher.stride=null",
+            "data=sample", "data.embedded=false", f"data.files=[{','.join(map(str, micro_corpus))}]",
+            "data.rows_per_shard=40", "ray.num_cpus=1", "pool.num_actors=1", "progress=false",
+            f"output_dir={tmp_path / 'out'}", f"artifacts_dir={tmp_path / 'artifacts'}",
+            f"hydra.run.dir={tmp_path / 'logs'}", *overrides]
     full_env = {**os.environ, "VOCAGNO_TRACEBACK": "", **(env or {})}
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600, env=full_env)
 

@@ -82,11 +82,11 @@ def test_stage1_on_two_files_of_one_name_gives_unique_ids_and_validates(micro_te
     b = write_jsonl(tmp_path / "corpus" / "b" / "train.jsonl", 4, "b")
     scored = run("stages.score_teacher", "data=open-web-math", "data.name=twins", "data.source=files",
                  f"data.files=[{a},{b}]", "data.rows_per_shard=3", "teacher=tiny", "teacher.embedded=false",
-                 f"teacher.model={micro_teacher}", "teacher.window=32", "ray.num_cpus=1", "progress=false",
-                 f"output_root={tmp_path / 'scored'}", f"artifacts_dir={tmp_path / 'artifacts'}",
+                 "teacher.name=micro", f"teacher.model={micro_teacher}", "teacher.window=32", "ray.num_cpus=1",
+                 "progress=false", f"output_root={tmp_path / 'scored'}", f"artifacts_dir={tmp_path / 'artifacts'}",
                  f"hydra.run.dir={tmp_path / 'logs'}")
     assert scored.returncode == 0, scored.stderr[-3000:]
-    folder = tmp_path / "scored" / "twins" / "tiny" / "v1"
+    folder = tmp_path / "scored" / "twins" / "micro" / "v1"
     validated = run("stages.inspect", "command=validate", f"path={folder}", f"out_dir={tmp_path / 'inspect'}",
                     f"hydra.run.dir={tmp_path / 'logs-validate'}")
     assert validated.returncode == 0, validated.stdout[-3000:] + validated.stderr[-3000:]
