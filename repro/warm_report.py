@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -110,6 +111,7 @@ def write_report(study, students: dict, results: list[dict], corpus: dict, folde
                  target: Path) -> dict:
     from storage_schemas import write_json_atomic
 
+    students, folders, corpus = (_relative(x) for x in (students, folders, corpus))
     per_student = {name: student_report(study, name, rec, results) for name, rec in students.items()}
     design = {k: v for k, v in asdict(study).items() if k not in ("realtext_dir", "work_dir", "report_dir", "artifacts_dir")}
     design["students"] = {k: recorded_student(v) for k, v in design["students"].items()}
@@ -129,7 +131,7 @@ def write_report(study, students: dict, results: list[dict], corpus: dict, folde
              f"Reproduce: `{meta['command']}` (finished runs are kept; `make repro-real ARGS=\"plan=true\"` lists them).",
              ""]
     for name, rec in students.items():
-        lines += _student_lines(study, name, rec, per_student[name], plotted)
+        lines += _student_lines(study, name, rec, per_student[name], plotted, results)
     lines += ["## Corpus", "", "| split | source | documents | characters | licenses |", "|---|---|---|---|---|"]
     for split in ("warmup", "tune", "train", "held_out"):
         for source, s in sorted(corpus.get(split, {}).items()):
@@ -144,7 +146,30 @@ def write_report(study, students: dict, results: list[dict], corpus: dict, folde
     return record
 
 
-def _student_lines(study, name: str, rec: dict, analysis: dict, plotted: bool) -> list[str]:
+def _relative(value):
+    """``value`` with every path under the working directory written relative to it: a report names
+    the project's folders, never the machine it ran on."""
+    if isinstance(value, dict):
+        return {k: _relative(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relative(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        shown = os.path.relpath(os.path.normpath(value), os.getcwd())
+        return value if shown.startswith("../..") else shown
+    return value
+
+
+def _sweep_means(results: list[dict], name: str, arm: str) -> dict[str, tuple[float, int]]:
+    """Per rate an arm's sweep tried so far: the mean tuning bits per byte and the number of seeds."""
+    by: dict[float, list[float]] = {}
+    for r in results:
+        if r["phase"] == "sweep" and r["student"] == name and r["arm"] == arm:
+            by.setdefault(r["learning_rate"], []).append(r["tune_bits_per_byte"])
+    return {f"{lr:g}": (statistics.fmean(v), len(v)) for lr, v in by.items()}
+
+
+def _student_lines(study, name: str, rec: dict, analysis: dict, plotted: bool,
+                   results: list[dict] = ()) -> list[str]:
     w = rec["warmup"]
     lines = [f"## {name}", "", "### Warm-up", ""]
     if not w["stages"]:
@@ -169,15 +194,19 @@ def _student_lines(study, name: str, rec: dict, analysis: dict, plotted: bool) -
               "|---|" + "---|" * len(w["curve"]),
               "| tuning bits/byte | " + " | ".join(f"{c['bits_per_byte']:.4f}" for c in w["curve"]) + " |", ""]
     rates = rec.get("rates") or {}
-    tried = sorted({float(k) for r in rates.values() for k in r["tune_means"]} | set(study.learning_rates))
+    tried = sorted({r["learning_rate"] for r in results if r["phase"] == "sweep" and r["student"] == name}
+                   | set(study.learning_rates))
     lines += ["### Learning rates (sweep seeds " + ", ".join(map(str, study.sweep_seeds)) + ")", "",
               "Mean tuning bits per byte of each arm at each rate it tried (the design's grid, and the rates below or "
               "above it an arm tries while its best is on an edge); the arm's rate is its lowest.", "",
               "| arm | " + " | ".join(f"{lr:g}" for lr in tried) + " | chosen |", "|---|" + "---|" * (len(tried) + 1)]
     for arm in study.arms:
         r = rates.get(arm)
-        if r is None:
-            lines.append(f"| {arm} | " + " | ".join("..." for _ in tried) + " | sweep not finished |")
+        if r is None:  # what the sweep measured so far (n: the seeds finished at that rate)
+            so_far = _sweep_means(results, name, arm)
+            lines.append(f"| {arm} | " + " | ".join(
+                f"{so_far[f'{lr:g}'][0]:.4f} (n={so_far[f'{lr:g}'][1]})" if f"{lr:g}" in so_far else "..."
+                for lr in tried) + " | sweep not finished |")
             continue
         lines.append(f"| {arm} | " + " | ".join(f"{r['tune_means'][f'{lr:g}']:.4f}" if f"{lr:g}" in r["tune_means"]
                                                  else "-" for lr in tried)
