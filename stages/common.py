@@ -43,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.runtime.config import ConfigError, Interrupted, UserError, build, handling, nearest, override, raise_if  # noqa: F401  (entry points import them from here)
+from pipeline.embedded import tiny_teacher_dir
 from pipeline.folders.output_folder import check_writable, storage_error
 from pipeline.runtime.quiet import quiet_third_party
 from storage_schemas import ContractError, dataset_dir
@@ -394,8 +395,6 @@ def named_teacher(cfg: DictConfig, say: bool = False) -> DictConfig:
     teacher's: a GGUF file (``teacher.model=x.gguf``: never the embedded teacher, so
     ``teacher.embedded`` is false too), or any other model with ``teacher.embedded=false``. A name
     given (``teacher.name=...``) is kept. ``say``: print the name chosen on stderr."""
-    from pipeline.embedded import tiny_teacher_dir  # lazy: only where a teacher is configured
-
     t = cfg.get("teacher") or {}
     model = t.get("model")
     if t.get("name") != TINY_NAME or not isinstance(model, str) or not model:

@@ -17,9 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.export_student.config import ExportJobConfig, config_defaults, export_job_config
-from pipeline.train_student.config import register_run_name_resolvers
 from stages.common import entry_point, plain, quiet_libraries, store_row
-from stages.train_student import build_embedded, check_folders
+from stages.train_student import build_embedded, check_folders, register_run_name_resolvers
 
 register_run_name_resolvers()  # ${run_corpus:...} and ${run_teacher:...} in conf/export_student.yaml
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from filelock import FileLock
 from hydra.utils import to_absolute_path
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pipeline.embedded.tiny_student import TinyStudentSpec, ensure_tiny_student, tiny_student_dir
@@ -32,7 +32,7 @@ from pipeline.train_student.config import (
     check_student_source,
     config_defaults,
     launch_problems,
-    register_run_name_resolvers,
+    run_names,
     train_job_config,
 )
 from stages.common import (
@@ -54,6 +54,15 @@ if TYPE_CHECKING:  # the plan and the run import torch and transformers: main im
     from pipeline.train_student.run import TrainSummary
 
 log = logging.getLogger("train_student")
+
+
+def register_run_name_resolvers() -> None:
+    """``${run_corpus:${data.corpus},${data.teacher},${data.mixture},${data.folders}}`` and
+    ``${run_teacher:...}`` (the same arguments; ``null`` for a config without a mixture): the
+    folder parts :func:`run_names` gives, for conf/train_student.yaml and conf/export_student.yaml."""
+    OmegaConf.register_new_resolver("run_corpus", lambda *a: run_names(*a)[0], replace=True)
+    OmegaConf.register_new_resolver("run_teacher", lambda *a: run_names(*a)[1], replace=True)
+
 
 register_run_name_resolvers()  # ${run_corpus:...} and ${run_teacher:...} in conf/train_student.yaml
 

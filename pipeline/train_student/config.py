@@ -25,8 +25,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from omegaconf import OmegaConf
-
 from pipeline.folders.model_source import TeacherSourceError, check_tokenizer_source, local_model_problem
 from pipeline.folders.output_folder import overlap_problem
 from pipeline.method.bits_per_byte import TEXT_SUFFIXES
@@ -179,14 +177,6 @@ def run_names(corpus: str, teacher: str, mixture, folders) -> tuple[str, str]:
     if mixture:
         return run_corpus_name(corpus, [str(c.get("name")) for c in mixture]), teacher
     return scored_names(list(folders or [])) or (corpus, teacher)
-
-
-def register_run_name_resolvers() -> None:
-    """``${run_corpus:${data.corpus},${data.teacher},${data.mixture},${data.folders}}`` and
-    ``${run_teacher:...}`` (the same arguments; ``null`` for a config without a mixture): the
-    folder parts :func:`run_names` gives, for conf/train_student.yaml and conf/export_student.yaml."""
-    OmegaConf.register_new_resolver("run_corpus", lambda *a: run_names(*a)[0], replace=True)
-    OmegaConf.register_new_resolver("run_teacher", lambda *a: run_names(*a)[1], replace=True)
 
 
 def scored_names(folders: Sequence[str] | None) -> tuple[str, str] | None:
