@@ -295,20 +295,36 @@ def _teacher(manifest: Mapping) -> str:
     identity = manifest.get("identity") or {}
     t, w = identity.get("teacher") or {}, identity.get("windows") or {}
     location = manifest.get("location") or {}
+    origin = manifest.get("teacher_origin") or {}
+    gguf = origin.get("gguf") or t.get("converted_from")
+    digests = ", ".join(f"{k.removesuffix('_sha256')} sha256 `{v}`" for k, v in sorted(t.items())
+                        if k.endswith("_sha256") and k != "tokenizer_sha256")
     if t.get("source") == "hub":
         model = f"`{t.get('model')}` on the Hugging Face hub, revision `{t.get('revision') or 'main (unpinned)'}`"
+    elif gguf:
+        said = " by ".join(f"{x}" for x in (gguf.get("name") and f'"{gguf["name"]}"', gguf.get("organization")) if x)
+        quantized = ", ".join(f"{kind}: {n}" for kind, n in (gguf.get("tensor_types") or {}).items())
+        model = (f"the GGUF file `{gguf.get('gguf_file')}` (sha256 `{gguf.get('gguf_sha256')}`"
+                 f"{f'; it names itself {said}' if said else ''}), dequantized to float32 by transformers from its "
+                 f"quantized tensors ({quantized}); the float32 copy scored: {digests}")
     else:
-        digests = ", ".join(f"{k.removesuffix('_sha256')} sha256 `{v}`" for k, v in sorted(t.items())
-                            if k.endswith("_sha256") and k != "tokenizer_sha256")
         name = _shown_name(location.get("teacher_model")) or t.get("name")
         model = f"local model `{name}` ({digests})"
     own = location.get("teacher_tokenizer") in (None, location.get("teacher_model"))
     tokenizer = "the model's own" if own else f"`{_shown_name(location.get('teacher_tokenizer'))}`"
     bos = f"BOS id {t['bos_id']}" if t.get("bos_id") is not None else "no BOS token"
     precision = identity.get("loss_precision", "float32")
+    terms = [] if is_rehearsal(identity) else [
+        ("license", f"`{origin['license']}`" if origin.get("license") else
+         "not recorded: set `teacher.license=<id>` in stage 1 (or this card) before publishing; the teacher's terms "
+         "may bind what is made from its outputs"),
+        ("base model", f"`{origin['base_model']}`" if origin.get("base_model") else
+         "not recorded (`teacher.base_model=<hub id>` in stage 1 gives it)"),
+    ]
     rows = [
         ("name", f"`{t.get('name')}`"),
         ("model", model),
+        *terms,
         ("tokenizer", f"{tokenizer} (content sha256 `{t.get('tokenizer_sha256')}`, {t.get('vocab_size')} tokens, "
                       f"{bos})"),
         ("dtype / backend", f"{t.get('dtype')} / {t.get('backend')}"),
@@ -536,16 +552,17 @@ def write_card_or_warn(folder: str | os.PathLike, manifest: Mapping | None = Non
 
 
 def card_is_current(folder: str | os.PathLike, manifest: Mapping) -> bool:
-    """Whether the folder's card already describes these shards and terms: it holds the counts this
-    manifest gives (shards, documents, tokens and bytes to the byte) and the front matter it gives
-    (the shard files, the license: a rerun with ``data.license`` changes it). A rerun that scored
+    """Whether the folder's card already describes these shards and terms: it holds the counts and
+    the teacher's section this manifest gives (shards, documents, tokens and bytes to the byte; a
+    rerun with ``teacher.license`` changes the teacher's) and the front matter it gives (the shard
+    files, the license: a rerun with ``data.license`` changes it). A rerun that scored
     nothing then keeps it instead of reading up to :data:`STATS_TOKEN_BUDGET` losses again."""
     location = filesystem.join(os.fspath(folder), CARD_NAME)
     try:
         text = filesystem.read_bytes(location).decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return False
-    if not manifest.get("complete") or _counts(manifest) not in text:
+    if not manifest.get("complete") or _counts(manifest) not in text or _teacher(manifest) not in text:
         return False
     return text.startswith(f"---\n{DatasetCardData(**front_matter(manifest)).to_yaml()}\n---\n")
 

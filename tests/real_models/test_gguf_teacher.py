@@ -29,6 +29,13 @@ def stage(*args: str, env: dict | None = None, timeout: int = 900) -> subprocess
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
+def card_rows(card: str) -> dict[str, str]:
+    """The dataset card's teacher table, row name -> value."""
+    section = card.split("## Teacher", 1)[1].split("## Corpus", 1)[0]
+    rows = [line.strip("|").split("|", 1) for line in section.splitlines() if line.startswith("| ")]
+    return {k.strip(): v.strip().rstrip("|").strip() for k, v in rows}
+
+
 @pytest.fixture(scope="module")
 def scored(smollm2_gguf, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("gguf-teacher")
@@ -72,6 +79,11 @@ def test_the_identity_names_the_gguf_and_a_rerun_converts_nothing(scored):
                                          "tensor_types": {"F32": 61, "Q4_1": 210, "Q8_0": 1}}
     (converted,) = (scored / "artifacts" / "teachers").iterdir()
     assert converted.name == f"SmolLM2-135M-Instruct.Q4_1-{SMOLLM2_SHA256[:12]}"
+    rows = card_rows(next((scored / "scored").rglob("README.md")).read_text())  # where the teacher came from
+    assert rows["model"].startswith(f"the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf` (sha256 `{SMOLLM2_SHA256}`")
+    assert "dequantized to float32 by transformers from its quantized tensors (F32: 61, Q4_1: 210, Q8_0: 1)" in rows["model"]
+    assert rows["license"] == "`apache-2.0`"  # docs/real-models.md: SmolLM2 is Apache-2.0
+    assert rows["base model"] == "`HuggingFaceTB/SmolLM2-135M-Instruct`"  # the preset's hub id, stood in for
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
 
 
@@ -102,5 +114,8 @@ def test_a_gguf_file_without_a_name_is_filed_and_carded_after_the_file(scored, s
     folder = work / "scored" / "real-pages" / name / "v1"
     assert json.loads((folder / "manifest.json").read_text())["identity"]["teacher"]["name"] == name
     assert f"| name | `{name}` |" in (folder / "README.md").read_text()
+    rows = card_rows((folder / "README.md").read_text())
+    assert rows["license"] == "`apache-2.0`" and rows["base model"].startswith("not recorded")
+    assert rows["model"].startswith("the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`")
     assert sorted(p.name for p in (work / "scored" / "real-pages").iterdir()) == sorted(["smollm2-135m", name])
     assert "converting" not in run.stdout
