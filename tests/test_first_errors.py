@@ -94,7 +94,7 @@ MISTYPED = [
      "error: runz: unknown key; did you mean runs? (known: allow_mismatch, labels, out_dir, runs)"),
     ("score_teacher", ["nonsense_key=1"],
      "error: nonsense_key: unknown key (known: artifacts_dir, data, limit_shards, output_dir, output_root, overwrite, "
-     "plan, plan_measure, plan_tokens_per_s, pool, progress, ray, scorer, storage, teacher)"),
+     "plan, plan_measure, plan_tokens_per_s, pool, progress, ray, rescore_shards, scorer, storage, teacher)"),
     ("convert_teacher", ["nonsense_key=1"], "error: nonsense_key: unknown key (known: artifacts_dir, out_dir, teacher)"),
     ("eval_student", ["checkpoint=org/model", "data_dir={tmp}", "nonsense_key=1"],  # {tmp} holds an empty gsm8k.jsonl
      "error: nonsense_key: unknown key (known: bits_per_byte, checkpoint, data_dir, data_files, eval_root, fewshot_dir, "

@@ -37,7 +37,7 @@ from typing import Callable, Mapping
 
 from pipeline.runtime.config import UserError
 from pipeline.folders.folder_lock import LOCK_NAME
-from pipeline.folders.output_folder import SetAside, describe, recover, set_aside
+from pipeline.folders.output_folder import SetAside, describe, owned_entries, recover, set_aside
 from storage_schemas import (
     CARD_NAME,
     MANIFEST_NAME,
@@ -99,6 +99,9 @@ def write_shard_files(folder: str | os.PathLike, index: int, parts: Mapping[str 
             write(*(tmp for tmp, _ in pairs))
             for tmp, _ in pairs:
                 _fsync_file(tmp)
+        stale = folder / marker_of(_name(index, MAIN_SUFFIX))  # a marker of the files replaced (a shard scored again)
+        if stale.exists():
+            stale.unlink()  # first: a stop before the new marker leaves the shard to be scored again, never misnamed
         for tmp, final in written:
             os.replace(tmp, final)
         _fsync_dir(folder)
@@ -204,6 +207,9 @@ def overwrite_deletes(folder: Path | str, kind: FolderKind) -> str:
     names = sfs.file_sizes(folder)
     shards = sorted({n.split(".", 1)[0] for n in names if ANY_SHARD_FILE.match(n)})
     derived = [n for n in kind.derived if n in names]
+    if not sfs.is_remote(folder):  # and the reports of the old shards (inspect/): all it sets aside
+        derived += [f"{p.name}/" for p in owned_entries(Path(folder), output_entries(kind))
+                    if p.is_dir() and not p.name.startswith(".")]
     what = f"its {len(shards)} shard(s) ({describe(shards, 3)})" if shards else "its shard files (none now)"
     what += f" and {', '.join(derived)}" if derived else ""
     when = ("at once (an object store cannot set them aside)" if sfs.is_remote(folder)

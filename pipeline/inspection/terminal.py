@@ -16,6 +16,7 @@ from pipeline.inspection.vocab_overlap import VocabOverlap
 from pipeline.folders.rehearsal import NOTE as REHEARSAL_NOTE
 from pipeline.folders.rehearsal import is_rehearsal
 from storage_schemas import describe_teacher
+from storage_schemas.layout import shard_index
 from storage_schemas.reader import DocumentRecord
 
 
@@ -86,8 +87,9 @@ def summary_renderables(s: DatasetSummary) -> list:
     out = [overview, shards]
     if s.damaged:
         out[:0] = [Text(f"warning: {file}: {problem}", style="yellow") for file, problem in s.damaged.items()] + [
-            Text("warning: make validate names every problem of every shard; rerunning the stage-1 command after "
-                 "removing a damaged shard's marker (shard-NNNNNN.done.json) scores it again", style="yellow")]
+            Text("warning: make validate names every problem of every shard; the stage-1 command again with "
+                 f"rescore_shards=[{','.join(str(shard_index(f)) for f in s.damaged)}] scores the damaged ones again",
+                 style="yellow")]
     for title, frame in ((f"highest mean loss (documents with >= {s.min_tokens} tokens)", s.highest),
                          (f"lowest mean loss (documents with >= {s.min_tokens} tokens)", s.lowest)):
         table = Table(title=title, title_justify="left")

@@ -197,11 +197,31 @@ def resolve_sources(cfg: CorpusConfig, hub_api=None) -> list[SourceFile]:
 def _file_locations(cfg: CorpusConfig) -> list[tuple[str, str | None]]:
     if not cfg.files:
         raise CorpusError(f"corpus {cfg.name!r}: source=files needs data.files (a path, URI or glob)")
-    found: list[str] = []
+    found: dict[str, str] = {}  # the file itself (a local one's real path) -> the name it was first listed by
+    listed: dict[str, int] = {}
     for pattern in cfg.files:
-        matches = _expand(str(pattern), cfg.name)
-        found.extend(m for m in matches if m not in found)
-    return [(m, None) for m in found]
+        for match in _expand(str(pattern), cfg.name):
+            key = match if filesystem.is_remote(match) else os.path.realpath(match)
+            found.setdefault(key, match)
+            listed[key] = listed.get(key, 0) + 1
+    _note_listed_twice({found[k]: n for k, n in listed.items() if n > 1})
+    return [(m, None) for m in found.values()]
+
+
+_NOTED: set[tuple] = set()  # what this process has said already (the sources are resolved more than once)
+
+
+def _note_listed_twice(times: dict[str, int]) -> None:
+    """One warning line for the files ``data.files`` lists more than once (by two patterns, twice by
+    name, or by another name through a link): each is scored once, under the name it was first listed by."""
+    key = tuple(sorted(times.items()))
+    if not times or key in _NOTED:
+        return
+    _NOTED.add(key)
+    shown = ", ".join(f"{path} ({n} times)" for path, n in list(times.items())[:5])
+    more = f" and {len(times) - 5} more" if len(times) > 5 else ""
+    log.warning("data.files lists %s more than once: %s%s; each is scored once",
+                "a file" if len(times) == 1 else f"{len(times)} files", shown, more)
 
 
 def _expand(pattern: str, corpus: str) -> list[str]:

@@ -138,6 +138,7 @@ class ScoreJobConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     overwrite: bool = False
     limit_shards: int | None = None  # score at most this many pending shards in this run
+    rescore_shards: tuple[int, ...] = ()  # score these shards again, done or not (each stays until it is replaced)
     storage: StorageConfig = field(default_factory=StorageConfig)
     progress: bool = True
     manifest_every_s: float = 10.0
@@ -147,6 +148,8 @@ class ScoreJobConfig:
 
     def problems(self) -> list[str]:
         found: list[str] = []
+        if any(i < 0 for i in self.rescore_shards):
+            found.append(f"rescore_shards: {list(self.rescore_shards)} must be shard indices (0, 1, ...)")
         if self.plan_tokens_per_s is not None and not self.plan_tokens_per_s > 0:
             found.append(f"plan_tokens_per_s: {self.plan_tokens_per_s} must be > 0")
         if self.scorer.backend == REHEARSAL_BACKEND and self.teacher.window is None:
@@ -516,6 +519,10 @@ def _refuse_early(cfg: ScoreJobConfig, prepared: Prepared) -> None:
     inputs = [("teacher.model", cfg.teacher.model), ("teacher.tokenizer", cfg.teacher.tokenizer),
               ("data.hub_root", cfg.corpus.hub_root),
               *(("the corpus file", f) for f in prepared.location.get("corpus_files", []))]
+    past = sorted(i for i in cfg.rescore_shards if i >= len(prepared.shards))
+    if past:
+        raise ConfigError(f"rescore_shards: {past} past this job's plan of {len(prepared.shards)} shard(s) "
+                          f"(0-{len(prepared.shards) - 1})")
     problem = overlap_problem(cfg.output_dir, inputs)
     if problem:
         raise DatasetMismatchError(f"{problem}; whatever overwrite says, a scored dataset goes to a folder of its own: "
@@ -552,6 +559,7 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
                                         teacher_origin=prepared.origin,
                                         license=cfg.corpus.license,
                                         rehearsal=REHEARSAL_NOTE if is_rehearsal(prepared.identity) else None)
+    done = kept_shards(done, cfg.rescore_shards)
     pending = [s for s in prepared.shards if s.index not in done]
     if cfg.limit_shards is not None:
         pending = pending[: cfg.limit_shards]
@@ -596,6 +604,12 @@ def _score(cfg: ScoreJobConfig, prepared: Prepared, t0: float) -> JobSummary:
         store_calls=functools.reduce(store_calls.add, (e.get("store_calls", {}) for e in run.scored), {}),
         rehearsal=is_rehearsal(prepared.identity),
     )
+
+
+def kept_shards(done: dict[int, dict], rescore: tuple[int, ...]) -> dict[int, dict]:
+    """The finished shards a run keeps: all but those ``rescore_shards`` names (scored again; each
+    keeps its files and marker until the new ones replace them, so a run stopped before loses none)."""
+    return {i: e for i, e in done.items() if i not in set(rescore)}
 
 
 def _record_progress(output_dir: str, prepared: Prepared, version: str, extra: dict, failed: list[dict],

@@ -53,7 +53,7 @@ from pipeline.score_teacher.corpus import (
     read_shard,
     resolve_sources,
 )
-from pipeline.score_teacher.job import Prepared, _refuse_early, prepare
+from pipeline.score_teacher.job import Prepared, _refuse_early, kept_shards, prepare
 from pipeline.score_teacher.pool import actors_per_node
 from pipeline.score_teacher.teacher import ShardResult, WindowSettings, score_documents
 from pipeline.score_teacher.writer import SCORED, finished_shards, write_shard
@@ -228,7 +228,7 @@ def _kept_shards(cfg, prepared: Prepared) -> dict:
         return {}
     if cfg.overwrite and folder_problem(cfg.output_dir, prepared.identity, SCORED):
         return {}
-    return finished_shards(cfg.output_dir)
+    return kept_shards(finished_shards(cfg.output_dir), cfg.rescore_shards)
 
 
 def forwarded_tokens(documents: list, settings: WindowSettings) -> int:

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import pipeline
 import storage_schemas
-from pipeline.runtime.config import ConfigError, UserError, check_at_least, check_choice, refuse
+from pipeline.runtime.config import ConfigError, UserError, check_at_least, check_choice, handling, refuse
 from pipeline.folders.output_folder import storage_error
 from pipeline.score_teacher.faults import FAULTS_ENV
 from storage_schemas import filesystem as sfs
@@ -121,14 +121,16 @@ def init_ray(rc: RayConfig) -> bool:
                   log_to_driver=True, configure_logging=True, logging_level=logging.WARNING)
     os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # the actors' lines as plain text, without colour codes
     handlers = _python_signal_handlers()
-    with shipped_code(rc) as env:
-        if rc.address:
-            ray.init(address=rc.address, runtime_env=env, **kwargs)
-        else:  # a new local cluster, never one that happens to run on this machine
-            with _quiet(RAY_AUTH_LOG):  # its note that token authentication is on, as it is by default
-                ray.init(address="local", num_cpus=rc.num_cpus, runtime_env=env, **kwargs)
-    for signum, handler in handlers.items():  # Ray's core worker installs its own (it aborts on SIGTERM)
-        signal.signal(signum, handler)
+    with signals_held(handlers) as held:
+        with shipped_code(rc) as env:
+            if rc.address:
+                ray.init(address=rc.address, runtime_env=env, **kwargs)
+            else:  # a new local cluster, never one that happens to run on this machine
+                with _quiet(RAY_AUTH_LOG):  # its note that token authentication is on, as it is by default
+                    ray.init(address="local", num_cpus=rc.num_cpus, runtime_env=env, **kwargs)
+    if held:  # a signal came while Ray started: stop it, then the entry point's own handler (its line, its status)
+        ray.shutdown()
+        handlers[held[0]](held[0], None)
     return True
 
 
@@ -142,6 +144,29 @@ def _quiet(logger_name: str) -> Iterator[None]:
         yield
     finally:
         logger.setLevel(before)
+
+
+@contextlib.contextmanager
+def signals_held(handlers: dict) -> Iterator[list[int]]:
+    """While Ray starts, the signals of ``handlers`` (the entry point's) are only noted in the list
+    yielded, and Ray does not install its own SIGTERM handler (which exits at once): an exception
+    raised in a signal handler while Ray forks its processes is printed and dropped by Python's
+    at-fork hooks, so the signal would be lost. ``handlers`` are put back afterwards (Ray's core
+    worker installs its own, which aborts on SIGTERM)."""
+    import ray._private.utils as ray_utils  # lazy: seconds to import; a config error is refused first
+
+    held: list[int] = []
+    keep = getattr(ray_utils, "set_sigterm_handler", None)
+    if handlers and keep is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        with handling(handlers, lambda signum, frame: held.append(signum)):
+            yield held
+    finally:
+        if keep is not None:
+            ray_utils.set_sigterm_handler = keep
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 def _python_signal_handlers() -> dict:
