@@ -223,9 +223,11 @@ def hours_rows(p: ScorePlan, job: ScoreJobConfig, rate_source: str | None) -> li
     actors = None if job.scorer.backend == REHEARSAL_BACKEND and not p.measured else local_actors(job)
     wall = (f"about {duration(seconds / actors)} with the {actors} actor(s) of this machine's local Ray cluster"
             if actors else f"about {duration(seconds / 8)} on 8 {'GPUs' if gpu else 'actors'}")
+    start = (f"Ray's start and each actor's load of the teacher ({duration(p.measured['load_s'])} here) not included"
+             if p.measured and "load_s" in p.measured else "Ray's start and the teacher's load not included")
     return [(f"{'GPU' if gpu else 'actor'} time", f"{duration(seconds)} ({seconds / 3600:,.2f} {unit}) at "
                                                   f"{p.tokens_per_s:,.0f} teacher tokens/s per {per} ({rate_source})"),
-            ("wall time", f"{wall} (scoring only: Ray's start and the teacher's load not included)")]
+            ("wall time", f"{wall} (scoring only: {start})")]
 
 
 def plan_rate(job: ScoreJobConfig, measure: bool) -> float | None:
@@ -246,9 +248,13 @@ def rate_source(p: ScorePlan, job: ScoreJobConfig, why: str) -> str:
         return "plan_tokens_per_s"
     m = p.measured
     if m:
-        return (f"measured here: {m['forwarded']:,} positions of {m['n_documents']:,} documents in {m['seconds']:.1f} s "
-                f"on {m['device']} ({m['backend']}, {m['dtype']}, {m['threads']} torch thread(s)), times the sample's "
-                f"{m['stored_per_forwarded']:.3f} stored tokens per position; {why}")
+        together = (f"{m['actors']} actors running together, as the run runs them" if m.get("actors", 1) > 1
+                    else "one actor")
+        load = (f"; the machine's load average was {m['load_average']:.1f} on {m['cpus']} CPU(s) meanwhile (its other "
+                "work included): the rate holds for a machine about that busy" if "load_average" in m else "")
+        return (f"measured here: {together}, {m['forwarded']:,} positions in {m['seconds']:.1f} s on {m['device']} "
+                f"({m['backend']}, {m['dtype']}, {m['threads']} torch thread(s) each), times the sample's "
+                f"{m['stored_per_forwarded']:.3f} stored tokens per position{load}; {why}")
     if p.tokens_per_s:
         return f"{bill_rate(job)[1]}; this teacher not measured: {why}"
     return f"this CPU job's teacher not measured ({why})"

@@ -32,6 +32,7 @@ and what it will cost, without starting Ray or loading the teacher (its tokenize
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import tempfile
 import time
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.runtime.cpu_threads import threads_for, torch_threads
+from pipeline.runtime.cpu_threads import threads_for, torch_threads, usable_cores
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
 from pipeline.score_teacher.backends.rehearsal import RehearsalScorer
@@ -240,25 +241,95 @@ def forwarded_tokens(documents: list, settings: WindowSettings) -> int:
 
 
 def measure_teacher(cfg, prepared: Prepared, tokenizer, raw: list[Document], scored: list,
-                    measure_s: float = MEASURE_S) -> dict:
-    """The actual teacher's speed here: the scorer the run's actors build (with their torch threads)
-    scores chunks of the sampled documents ``raw`` (``scored``: the same, scored by the rehearsal,
-    for their token counts), each of documents no longer than :data:`CHUNK_TOKENS` (and the
-    window) adding up to about that many, until ``measure_s`` seconds have been timed; on a GPU one
-    untimed chunk first. The speed in forwarded positions per second is turned into stored teacher
-    tokens per second by the whole sample's stored/forwarded ratio, so long documents' overlapping
-    windows cost what they cost in the run."""
+                    measure_s: float = MEASURE_S, actors: int | None = None) -> dict:
+    """The actual teacher's speed here, timed as the run's actors will run: ``actors`` of them (unset:
+    this machine's local actors of a CPU job, :func:`concurrent_actors`) at once, each in a process of
+    its own with its torch threads, all loaded before any is timed. Each builds the scorer the run's
+    actors build and scores chunks of the sampled documents ``raw`` (``scored``: the same, scored by
+    the rehearsal, for their token counts), each of documents no longer than :data:`CHUNK_TOKENS` (and
+    the window) adding up to about that many, until ``measure_s`` seconds have passed; on a GPU one
+    untimed chunk first. The actors' speeds add up; in forwarded positions per second, turned into
+    stored teacher tokens per second by the whole sample's stored/forwarded ratio, so long documents'
+    overlapping windows cost what they cost in the run. The machine's load average while they ran
+    (its other work included) is recorded with it: the rate holds for a machine about that busy."""
     settings = prepared.settings
+    n = actors or concurrent_actors(cfg)
     threads = threads_for(cfg.pool.num_cpus)
-    l0 = time.perf_counter()
-    with torch_threads(threads):
-        key = api_key(cfg.scorer) if cfg.scorer.backend == "server" else None  # read as the run's driver reads it
-        scorer = make_scorer(prepared.scorer, key)
+    key = api_key(cfg.scorer) if cfg.scorer.backend == "server" else None  # read as the run's driver reads it
+    sizes = {d.doc_id: len(d.ids) for d in scored}
+    jobs = [dict(scorer=prepared.scorer, key=key, threads=threads, tokenizer=tokenizer, settings=settings,
+                 raw=raw, sizes=sizes, gpu_budget=cfg.scorer.max_batch_tokens, measure_s=measure_s, turn=i, of=n,
+                 keep=i == 0) for i in range(n)]
+    load_before = os.getloadavg()[0]
+    timed = [_timed_actor(jobs[0])] if n == 1 else _together(jobs)
+    first = timed[0]
+    rate = sum(t["forwarded"] / max(t["seconds"], 1e-9) for t in timed) / n  # positions/s of one actor, all running
+    stored_per_forwarded = sum(len(d.ids) for d in scored) / max(forwarded_tokens(scored, settings), 1)
+    return {"tokens_per_s": rate * stored_per_forwarded, "forwarded": sum(t["forwarded"] for t in timed),
+            "stored_per_forwarded": stored_per_forwarded, "seconds": max(t["seconds"] for t in timed),
+            "load_s": max(t["load_s"] for t in timed), "actors": n, "cpus": usable_cores(),
+            "load_average": max(load_before, os.getloadavg()[0]),
+            "n_documents": len(first["raw"]), "device": first["device"], "dtype": first["dtype"] or cfg.scorer.dtype,
+            "backend": cfg.scorer.backend, "threads": threads, "documents": first["documents"], "raw": first["raw"]}
+
+
+def concurrent_actors(cfg) -> int:
+    """How many actors the run starts at once on this machine's CPUs: the local cluster's actors of
+    a CPU job; 1 for a GPU job (each actor has a GPU of its own) or one that joins a cluster."""
+    if cfg.pool.num_gpus > 0 or cfg.ray.address is not None:
+        return 1
+    return max(1, min(local_actors(cfg) or 1, cfg.pool.num_actors or 1 << 30))
+
+
+def _together(jobs: list[dict]) -> list[dict]:
+    """:func:`_timed_actor` of every job at once, each in a process of its own (as Ray's actors are),
+    started together once all have loaded the teacher; their results in the jobs' order."""
+    context = multiprocessing.get_context("spawn")  # torch in a forked process is not safe
+    ready, results = context.Barrier(len(jobs)), context.Queue()
+    workers = [context.Process(target=_timed_actor_process, args=(job, ready, results), daemon=True) for job in jobs]
+    for worker in workers:
+        worker.start()
+    try:
+        found = dict(results.get(timeout=MEASURE_TIMEOUT_S) for _ in workers)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    failed = [v for v in found.values() if isinstance(v, str)]
+    if failed:
+        raise RuntimeError(f"timing the teacher failed in an actor's process: {failed[0]}")
+    return [found[i] for i in range(len(jobs))]
+
+
+MEASURE_TIMEOUT_S = 1800.0  # the longest the timed actors' processes may take in all (loading included)
+
+
+def _timed_actor_process(job: dict, ready, results) -> None:
+    try:
+        results.put((job["turn"], _timed_actor(job, ready)))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it; a broken barrier frees the others
+        ready.abort()
+        results.put((job["turn"], f"{type(exc).__name__}: {exc}"))
+
+
+def _timed_actor(job: dict, ready=None) -> dict:
+    """One actor's part of :func:`measure_teacher`: load the scorer, wait for the others (``ready``),
+    then score chunks (its own turn of them first) until ``measure_s`` seconds have passed."""
+    settings, tokenizer = job["settings"], job["tokenizer"]
+    with torch_threads(job["threads"]):
+        l0 = time.perf_counter()
+        scorer = make_scorer(job["scorer"], job["key"])
         load_s = time.perf_counter() - l0
-        device = scorer.describe().get("device") or "the device"
-        chunks = _chunks(raw, scored, CHUNK_TOKENS if device == "cpu" else cfg.scorer.max_batch_tokens)
+        described = scorer.describe()
+        device = described.get("device") or "the device"
+        chunks = _chunks(job["raw"], job["sizes"], CHUNK_TOKENS if device == "cpu" else job["gpu_budget"])
+        at = job["turn"] * len(chunks) // job["of"]
+        chunks = chunks[at:] + chunks[:at]
         if device != "cpu" and len(chunks) > 1:
             score_documents(chunks.pop(0), tokenizer, scorer, settings)  # warm-up: not timed
+        if ready is not None:
+            ready.wait()
         timed, done, used = 0.0, [], []
         for chunk in chunks:
             t0 = time.perf_counter()
@@ -266,20 +337,16 @@ def measure_teacher(cfg, prepared: Prepared, tokenizer, raw: list[Document], sco
             timed += time.perf_counter() - t0
             done += result.documents
             used += chunk
-            if timed >= measure_s:
+            if timed >= job["measure_s"]:
                 break
-    forwarded = forwarded_tokens(done, settings)
-    stored_per_forwarded = sum(len(d.ids) for d in scored) / max(forwarded_tokens(scored, settings), 1)
-    return {"tokens_per_s": forwarded / max(timed, 1e-9) * stored_per_forwarded, "forwarded": forwarded,
-            "stored_per_forwarded": stored_per_forwarded, "seconds": timed, "load_s": load_s,
-            "n_documents": len(used), "device": device, "dtype": scorer.describe().get("dtype") or cfg.scorer.dtype,
-            "backend": cfg.scorer.backend, "threads": threads, "documents": done, "raw": used}
+    return {"forwarded": forwarded_tokens(done, settings), "seconds": timed, "load_s": load_s, "device": device,
+            "dtype": described.get("dtype"), "documents": done if job["keep"] else [],
+            "raw": used if job["keep"] else []}
 
 
-def _chunks(raw: list[Document], scored: list, budget: int) -> list[list[Document]]:
-    """``raw`` in chunks of documents of at most ``budget`` teacher tokens in all, each no longer
-    than ``budget`` (the shortest alone when none is that short)."""
-    sizes = {d.doc_id: len(d.ids) for d in scored}
+def _chunks(raw: list[Document], sizes: dict[str, int], budget: int) -> list[list[Document]]:
+    """``raw`` in chunks of documents of at most ``budget`` teacher tokens in all (``sizes``: each
+    document's, by id), each no longer than ``budget`` (the shortest alone when none is that short)."""
     fits = [d for d in raw if 0 < sizes.get(d.doc_id, 0) <= budget]
     if not fits:
         nonempty = [d for d in raw if sizes.get(d.doc_id, 0) > 0]

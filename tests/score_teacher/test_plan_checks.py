@@ -67,15 +67,20 @@ def test_the_bill_measures_a_small_teacher_and_its_bytes_land_in_its_range(micro
     disk (its own losses, shards of data.rows_per_shard) land near a real scoring's (4 shards of the
     same corpus; the rehearsal's losses alone priced them 25% high: this weak teacher's compress better)."""
     res = stage1(micro_teacher, micro_corpus, tmp_path / "scored", tmp_path / "logs", "teacher.window=64",
-                 "teacher.stride=32", "plan=true")
+                 "teacher.stride=32", "ray.num_cpus=2", "pool.num_cpus=1", "plan=true")
     assert res.returncode == 0, res.stderr[-2000:]
     out = flat(res.stdout)
     assert "GPU-hours" not in out and "actor-hours" in out
-    found = re.search(r"at ([\d,]+) teacher tokens/s per actor \(1 CPU\) \(measured here: ([\d,]+) positions of "
-                      r"([\d,]+) documents in ([\d.]+) s on cpu", out)
+    # timed as the run runs: ray.num_cpus=2 over 1 CPU each is 2 actors at once, each timed while the other scores
+    found = re.search(r"at ([\d,]+) teacher tokens/s per actor \(1 CPU\) \(measured here: 2 actors running together, "
+                      r"as the run runs them, ([\d,]+) positions in ([\d.]+) s on cpu \(transformers, \w+, 1 torch "
+                      r"thread\(s\) each\)", out)
     assert found, out[-3000:]
-    assert float(found.group(4)) > 0 and int(found.group(2).replace(",", "")) > 0  # timed: all 76 short documents, or 5 s
-    assert re.search(r"wall time\W+about [\d.,]+ (s|min|h) with the \d actor\(s\) of this machine", out)
+    assert float(found.group(3)) > 0 and int(found.group(2).replace(",", "")) > 0  # timed: all 76 short documents, or 5 s
+    assert re.search(r"the machine's load average was [\d.]+ on \d+ CPU\(s\) meanwhile", out), out[-3000:]
+    assert re.search(r"wall time\W+about [\d.,]+ (s|min|h) with the 2 actor\(s\) of this machine's local Ray cluster "
+                     r"\(scoring only: Ray's start and each actor's load of the teacher \([\d.,]+ (s|min) here\) "
+                     r"not included\)", out), out[-3000:]
     per_token = float(re.search(r"([\d.]+) bytes per teacher token", out).group(1))
     real = json.loads((micro_scored / "manifest.json").read_text())["totals"]
     files = sum(p.stat().st_size for p in micro_scored.glob("shard-*"))  # shards and their markers
