@@ -122,7 +122,9 @@ def micro_scored(tmp_path_factory, micro_corpus, micro_teacher, ray_local) -> Pa
     """A complete scored dataset (stage-1 output) of the micro corpus by the micro teacher."""
     from pipeline.score_teacher.corpus import CorpusConfig
     from storage_schemas import dataset_dir
-    from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+    from pipeline.score_teacher.pool import PoolConfig
+    from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+    from pipeline.score_teacher.job import run_score_job
     from pipeline.score_teacher.backends.base import ScorerConfig
 
     out = dataset_dir(tmp_path_factory.mktemp("micro-scored"), "owm-micro", "micro")

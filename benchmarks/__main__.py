@@ -95,7 +95,9 @@ class Inputs:
         from pipeline.embedded import ensure_tiny_teacher
         from pipeline.score_teacher.backends.base import ScorerConfig
         from pipeline.score_teacher.corpus import CorpusConfig
-        from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+        from pipeline.score_teacher.pool import PoolConfig
+        from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+        from pipeline.score_teacher.job import run_score_job
         from pipeline.score_teacher.writer import StorageConfig
 
         n = self.cfg.scored_docs

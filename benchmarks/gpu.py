@@ -426,7 +426,9 @@ def load_teacher(path: str, device, dtype_name: str = "float32"):
 
 def read_documents(path: str) -> list:
     """Every document of one file, read as stage 1 reads it (ids ``<file name>:<row>``)."""
-    from pipeline.score_teacher.corpus import CorpusConfig, plan_shards, read_shard, resolve_sources
+    from pipeline.score_teacher.corpus import CorpusConfig
+    from pipeline.score_teacher.shards import plan_shards, read_shard
+    from pipeline.score_teacher.corpus_sources import resolve_sources
 
     sources = resolve_sources(CorpusConfig(files=[path]))
     return [doc for spec in plan_shards(sources, rows_per_shard=10**9) for doc in read_shard(spec)]

@@ -174,7 +174,10 @@ def measure_subprocess(workload: str, args: dict, interval: float = 0.05, timeou
 def _stage1(a: dict) -> dict:
     from pipeline.score_teacher.backends.base import ScorerConfig
     from pipeline.score_teacher.corpus import CorpusConfig
-    from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+    from pipeline.score_teacher.pool import PoolConfig
+    from pipeline.score_teacher.ray_cluster import RayConfig
+    from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+    from pipeline.score_teacher.job import run_score_job
 
     shutil.rmtree(a["scored"], ignore_errors=True)
     summary = run_score_job(ScoreJobConfig(

@@ -218,7 +218,10 @@ def _run_job(cfg: Stage1BenchConfig, model_dir: Path, corpus: list[Path], out_di
     from benchmarks.measure import TreeCpuSampler
     from pipeline.score_teacher.backends.base import ScorerConfig
     from pipeline.score_teacher.corpus import CorpusConfig
-    from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+    from pipeline.score_teacher.pool import PoolConfig
+    from pipeline.score_teacher.ray_cluster import RayConfig
+    from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+    from pipeline.score_teacher.job import run_score_job
     from pipeline.score_teacher.writer import finished_shards
 
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -272,7 +275,9 @@ class _BareForward:
             load_causal_lm,
             resolve_device,
         )
-        from pipeline.score_teacher.corpus import CorpusConfig, plan_shards, read_shard, resolve_sources
+        from pipeline.score_teacher.corpus import CorpusConfig
+        from pipeline.score_teacher.shards import plan_shards, read_shard
+        from pipeline.score_teacher.corpus_sources import resolve_sources
         from pipeline.score_teacher.teacher import classify
         from pipeline.method.tokenization import bos_token_id, encode_batch, load_tokenizer
         from pipeline.method.windows import plan_windows

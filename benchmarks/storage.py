@@ -172,7 +172,7 @@ def _record(name: str, kind: str, paths: list[Path], tokens: int, seconds: float
 
 
 def _write_current(name, storage, shards, manifest, out_root: Path, tokens: int) -> dict:
-    from pipeline.score_teacher.job import code_version
+    from pipeline.folders.provenance import code_version
     from pipeline.score_teacher.teacher import ShardResult
     from pipeline.score_teacher.writer import write_shard
 
@@ -248,7 +248,7 @@ def object_store_cost(shards, manifest: dict, out_root: Path, repeats: int) -> d
 
 
 def _write_and_read(folder, shards, manifest: dict) -> tuple[float, float, int]:
-    from pipeline.score_teacher.job import code_version
+    from pipeline.folders.provenance import code_version
     from pipeline.score_teacher.teacher import ShardResult
     from pipeline.score_teacher.writer import write_manifest, write_shard
     from storage_schemas.reader import open_scored_dataset, read_row_group

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from pipeline.runtime.config import ConfigError, defaults
 from pipeline.folders.model_source import check_teacher_source, convert_gguf, convert_to_safetensors
 from pipeline.folders.output_folder import check_writable
-from pipeline.score_teacher.job import TEACHER_RECIPE_KEYS, TeacherConfig
+from pipeline.score_teacher.config import TEACHER_RECIPE_KEYS, TeacherConfig
 from stages.common import build, entry_point, make_command, named_teacher, override, plain, quiet_libraries, raise_if
 
 

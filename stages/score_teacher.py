@@ -27,13 +27,8 @@ from pipeline.folders.model_source import check_teacher_source, check_tokenizer_
 from pipeline.folders.output_folder import check_writable
 from pipeline.folders.rehearsal import NOTE as REHEARSAL_NOTE
 from pipeline.folders.rehearsal import REHEARSAL_BACKEND
-from pipeline.score_teacher.job import (
-    JobSummary,
-    ScoreJobConfig,
-    config_defaults,
-    run_score_job,
-    score_job_config,
-)
+from pipeline.score_teacher.job import JobSummary, run_score_job
+from pipeline.score_teacher.config import ScoreJobConfig, config_defaults, score_job_config
 from pipeline.score_teacher.plan import (
     REAL_LOSSES_RANGE,
     ScorePlan,

@@ -19,7 +19,8 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from rich.console import Console
 
-from pipeline.score_teacher.corpus import CorpusConfig, CorpusError, resolve_sources
+from pipeline.score_teacher.corpus import CorpusConfig, CorpusError
+from pipeline.score_teacher.corpus_sources import resolve_sources
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,7 +53,7 @@ def test_a_tilde_is_the_home_folder_and_a_folder_given_as_corpus_files_gets_its_
 def test_a_relative_teacher_path_is_not_taken_for_a_hub_id_without_a_word():
     """The check stage 1 runs before Ray (its one-line path through the command line: row 26)."""
     from pipeline.folders.model_source import TeacherSourceError, check_teacher_source
-    from pipeline.score_teacher.job import TeacherConfig
+    from pipeline.score_teacher.config import TeacherConfig
 
     with pytest.raises(TeacherSourceError) as refusal:  # offline here, as in every test (conftest)
         check_teacher_source(TeacherConfig(name="t", model="models/my-teacher"))

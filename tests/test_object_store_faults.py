@@ -41,7 +41,10 @@ def job(a: dict):
     if a["stage"] == "score":
         from pipeline.score_teacher.backends.base import ScorerConfig
         from pipeline.score_teacher.corpus import CorpusConfig
-        from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+        from pipeline.score_teacher.pool import PoolConfig
+        from pipeline.score_teacher.ray_cluster import RayConfig
+        from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+        from pipeline.score_teacher.job import run_score_job
         return run_score_job, ScoreJobConfig(
             teacher=TeacherConfig(name="micro", model=a["teacher"]),
             corpus=CorpusConfig(name="owm-micro", files=a["corpus"], rows_per_shard=40),

@@ -139,7 +139,7 @@ def test_the_same_corpus_cut_at_another_limit_is_named_as_the_limit_not_another_
 
 ACTOR_SPEAKS = """
 import ray
-from pipeline.score_teacher.pool import RayConfig, init_ray
+from pipeline.score_teacher.ray_cluster import RayConfig, init_ray
 init_ray(RayConfig(num_cpus=1))
 
 @ray.remote

@@ -70,7 +70,7 @@ def check_tokenizer_source(setting: str, source: str, revision: str | None = Non
 def check_teacher_source(teacher, timeout_s: float = HUB_TIMEOUT_S) -> None:
     """Raise :class:`TeacherSourceError` unless the teacher's config and weights (and a separate
     tokenizer, if configured) can be had; ``teacher`` has ``name``, ``model``, ``revision``,
-    ``tokenizer`` and ``allow_bin`` (:class:`pipeline.score_teacher.job.TeacherConfig`)."""
+    ``tokenizer`` and ``allow_bin`` (:class:`pipeline.score_teacher.config.TeacherConfig`)."""
     files = _list_files(teacher, "model", timeout_s, need_weights=True)
     if files is not None:
         if "config.json" not in files:
@@ -439,7 +439,7 @@ def gguf_teacher_folder(gguf: str | os.PathLike, artifacts_dir: str | os.PathLik
 
 
 def resolve_gguf_teacher(teacher, artifacts_dir: str | os.PathLike, timeout_s: float = HUB_TIMEOUT_S):
-    """``teacher`` (a :class:`pipeline.score_teacher.job.TeacherConfig`) with a GGUF checkpoint
+    """``teacher`` (a :class:`pipeline.score_teacher.config.TeacherConfig`) with a GGUF checkpoint
     replaced by its converted folder: ``model`` naming a ``.gguf`` file, or, where ``model`` cannot be
     had (:func:`check_teacher_source`), the ``gguf_file`` of an installed ``gguf_package``."""
     path = Path(os.path.expanduser(teacher.model))

@@ -8,7 +8,7 @@ moved, copied to another machine or opened from another checkout holds the same 
   files, which ``trust_remote_code`` would run) and of its weight files; a hub model by its id and
   revision.
 * A corpus file by its name (the document ids are ``<file name>:<row>``), row count, size and the
-  sha256 of its bytes (:mod:`pipeline.score_teacher.corpus`).
+  sha256 of its bytes (:mod:`pipeline.score_teacher.shards`).
 
 Digesting 7B weights (~15 GB) on every rerun would cost minutes, so :func:`file_sha256_cached`
 hashes each file once and caches the digest under a key made of the file's real path, device,

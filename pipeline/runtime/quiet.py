@@ -6,7 +6,7 @@
 * the Trainer's note that checkpoint folders written within a second of each other are ordered by
   their step numbers rather than their times (what the project wants anyway).
 
-Ray's notes are handled where Ray starts (:func:`pipeline.score_teacher.pool.init_ray`), the data
+Ray's notes are handled where Ray starts (:func:`pipeline.score_teacher.ray_cluster.init_ray`), the data
 loader's ``pin_memory`` warning where the training arguments are made (pinned memory only on a GPU).
 """
 

@@ -1,7 +1,7 @@
 """The bill before the run (``make score-teacher ARGS="... plan=true"``): what a stage-1 job will do
 and what it will cost, without starting Ray or loading the teacher (its tokenizer only).
 
-* **Shards and documents**: the job's own plan (:func:`pipeline.score_teacher.corpus.plan_shards`,
+* **Shards and documents**: the job's own plan (:func:`pipeline.score_teacher.shards.plan_shards`,
   from the files' footers), and how many shards an existing output folder already holds.
 * **Teacher tokens**: counted when the corpus's text is small (at most ``count_bytes``), else
   estimated from a sample of row groups spread evenly over the files: the sample's teacher tokens
@@ -9,7 +9,7 @@ and what it will cost, without starting Ray or loading the teacher (its tokenize
   The error is the ratio estimator's: 1.96 standard errors over the sampled row groups (the row
   groups' own spread, corrected for the share sampled), as a share of the estimate.
 * **The run's checks first**: the job is prepared as the run prepares it
-  (:func:`pipeline.score_teacher.job.prepare`: the window against the teacher's positions, the
+  (:func:`pipeline.score_teacher.prepare.prepare`: the window against the teacher's positions, the
   stride, a served teacher, the identity) and the output folder checked as the run checks it, so a
   job the run would refuse is refused here with the run's own error; ``shards_done`` counts what
   the run would keep (none when ``overwrite`` rescores a folder of another setup).
@@ -46,16 +46,12 @@ from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.factory import make_scorer
 from pipeline.score_teacher.backends.rehearsal import RehearsalScorer
 from pipeline.score_teacher.backends.server import api_key
-from pipeline.score_teacher.corpus import (
-    Document,
-    ShardSpec,
-    SourceFile,
-    open_location,
-    read_shard,
-    resolve_sources,
-)
-from pipeline.score_teacher.job import Prepared, _refuse_early, kept_shards, prepare
-from pipeline.score_teacher.pool import actors_per_node
+from pipeline.score_teacher.corpus import Document, ShardSpec, SourceFile, open_location
+from pipeline.score_teacher.corpus_sources import resolve_sources
+from pipeline.score_teacher.job import kept_shards
+from pipeline.score_teacher.prepare import Prepared, prepare, refuse_early
+from pipeline.score_teacher.ray_cluster import actors_per_node
+from pipeline.score_teacher.shards import read_shard
 from pipeline.score_teacher.teacher import ShardResult, WindowSettings, score_documents
 from pipeline.score_teacher.writer import SCORED, finished_shards, write_shard
 from pipeline.folders.shard_folder import folder_problem
@@ -171,13 +167,13 @@ def _group_documents(group: TextGroup, index: int, text_column: str) -> list[Doc
 
 def plan_score_job(cfg, tokens_per_s: float | None = None, count_bytes: int = COUNT_BYTES,
                    sample_bytes: int = SAMPLE_BYTES, measure: bool = False, measure_s: float = MEASURE_S) -> ScorePlan:
-    """The bill of the job ``cfg`` (a :class:`pipeline.score_teacher.job.ScoreJobConfig`; module docstring).
+    """The bill of the job ``cfg`` (a :class:`pipeline.score_teacher.config.ScoreJobConfig`; module docstring).
     Raises what the run would raise before its first shard (a window past the teacher's positions,
     a folder scored with another setup...). With ``measure`` the teacher is loaded and timed, and
     its rate replaces ``tokens_per_s`` unless that was given."""
     t0 = time.perf_counter()
     prepared = prepare(cfg)  # the run's own checks, in the run's order
-    _refuse_early(cfg, prepared)
+    refuse_early(cfg, prepared)
     sources = resolve_sources(cfg.corpus)
     shards = prepared.shards
     done = _kept_shards(cfg, prepared)

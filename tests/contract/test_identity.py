@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.job import run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.writer import DatasetMismatchError
 from storage_schemas import META_IDENTITY, file_sha256, read_manifest, read_shard_metadata

@@ -25,7 +25,9 @@ from pipeline.method.loss_histogram import DEFAULT_BIN_WIDTH
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.folders.dataset_card import CARD_NAME, card_text, column_docs, loss_statistics, write_card
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.job import run_score_job
 from stages.inspect import run as inspect_run
 from storage_schemas import ContractError
 

@@ -61,7 +61,9 @@ def test_an_export_rewritten_in_place_loads_its_new_rows(tiny_student, micro_sco
 def test_a_rescored_folder_loads_its_new_rows(micro_teacher, micro_corpus, ray_local, fresh_cache, tmp_path):
     from pipeline.score_teacher.backends.base import ScorerConfig
     from pipeline.score_teacher.corpus import CorpusConfig
-    from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+    from pipeline.score_teacher.pool import PoolConfig
+    from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+    from pipeline.score_teacher.job import run_score_job
     from pipeline.score_teacher.writer import StorageConfig
 
     out = tmp_path / "scored"

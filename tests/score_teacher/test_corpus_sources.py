@@ -24,18 +24,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.score_teacher import corpus as corpus_mod
-from pipeline.score_teacher.corpus import (
-    CorpusConfig,
-    CorpusError,
+from pipeline.score_teacher import corpus_sources as sources_mod
+from pipeline.score_teacher import shards as shards_mod
+from pipeline.score_teacher.corpus import CorpusConfig, CorpusError
+from pipeline.score_teacher.corpus_sources import (
     RepoFile,
-    corpus_identity,
     folder_listing,
     hub_listing,
-    plan_shards,
-    read_shard,
     resolve_sources,
     select_repo_files,
 )
+from pipeline.score_teacher.shards import corpus_identity, plan_shards, read_shard
 from storage_schemas import filesystem as sfs
 
 # (name, rows, row_group_size): row groups of 25 and shards of 15 put shard boundaries inside groups
@@ -171,8 +170,9 @@ def test_a_shard_reads_the_footer_and_its_row_groups_text_column_only(tmp_path, 
 
     counter = {"bytes": 0}
     counting = pafs.PyFileSystem(CountingHandler(counter))
-    monkeypatch.setattr(corpus_mod, "open_location", lambda location: (counting, str(location)))
-    spec = plan_shards([corpus_mod.describe_file(str(path), "text")], 30)[2]  # rows 60-90: group 1
+    for module in (sources_mod, shards_mod):  # the footer, then the shard's rows
+        monkeypatch.setattr(module, "open_location", lambda location: (counting, str(location)))
+    spec = plan_shards([sources_mod.describe_file(str(path), "text")], 30)[2]  # rows 60-90: group 1
     counter["bytes"] = 0
     docs = read_shard(spec)
     assert [d.text for d in docs] == texts[60:90]
@@ -252,8 +252,8 @@ def test_hub_listing_pins_the_commit_and_takes_the_hubs_sha256(hub_repo):
     chosen = select_repo_files(files, "train", None)
     assert [f.path for f in chosen] == [n for n, _, _ in TRAIN_FILES]
     assert [f.sha256 for f in chosen] == [hashlib.sha256((hub_repo / n).read_bytes()).hexdigest() for n, _, _ in TRAIN_FILES]
-    locations = corpus_mod._hub_locations(CorpusConfig(source="hub", hub_id="open-web-math/open-web-math",
-                                                       revision="v1"), api)
+    locations = sources_mod._hub_locations(CorpusConfig(source="hub", hub_id="open-web-math/open-web-math",
+                                                        revision="v1"), api)
     assert [loc for loc, _ in locations] == [f"hf://datasets/open-web-math/open-web-math@{api.commit}/{n}"
                                               for n, _, _ in TRAIN_FILES]
 
@@ -437,9 +437,9 @@ def test_remote_row_groups_much_larger_than_a_shard_are_warned_about(hub_repo, s
     remote = upload(hub_repo / "data", s3_server(), "d")
 
     def warnings():
-        return [r.getMessage() for r in caplog.records if r.name == corpus_mod.__name__]
+        return [r.getMessage() for r in caplog.records if r.name == sources_mod.__name__]
 
-    with caplog.at_level("WARNING", logger=corpus_mod.__name__):
+    with caplog.at_level("WARNING", logger=sources_mod.__name__):
         resolve_sources(CorpusConfig(files=[str(hub_repo / "data" / "train-*.parquet")], rows_per_shard=15))
         assert not warnings()
         resolve_sources(CorpusConfig(files=[f"{remote}/train-*.parquet"], rows_per_shard=20))  # 40 = 2 x 20: fine
@@ -493,8 +493,8 @@ def test_s3_digest_follows_the_objects_content(s3_server, tmp_path, monkeypatch)
     uri = f"{s3_server()}/c/train.parquet"
     for payload in (b"A" * 1000, b"B" * 1000):
         sfs.write_bytes(uri, payload)
-        assert corpus_mod.remote_sha256_cached(uri) == hashlib.sha256(payload).hexdigest()
-        assert corpus_mod.remote_sha256_cached(uri) == hashlib.sha256(payload).hexdigest()  # from the cache
+        assert shards_mod.remote_sha256_cached(uri) == hashlib.sha256(payload).hexdigest()
+        assert shards_mod.remote_sha256_cached(uri) == hashlib.sha256(payload).hexdigest()  # from the cache
     assert len(list((tmp_path / "cache").rglob("remote-*.json"))) == 2
 
 
@@ -539,7 +539,9 @@ def test_score_job_from_a_hub_mirror_on_s3_never_loads_the_dataset(micro_teacher
     from huggingface_hub import HfApi
 
     from pipeline.score_teacher.backends.base import ScorerConfig
-    from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+    from pipeline.score_teacher.pool import PoolConfig
+    from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+    from pipeline.score_teacher.job import run_score_job
 
     def refuse(*args, **kwargs):
         raise AssertionError("the corpus must not go through datasets or the hub API")

@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.score_teacher.corpus import TEXT_SAMPLE_LINES, CorpusConfig, CorpusError, resolve_sources
+from pipeline.score_teacher.corpus_sources import TEXT_SAMPLE_LINES, resolve_sources
+from pipeline.score_teacher.corpus import CorpusConfig, CorpusError
 
 REPO = Path(__file__).resolve().parents[2]
 

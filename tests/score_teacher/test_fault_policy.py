@@ -18,7 +18,9 @@ from pipeline.runtime.config import UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
 from pipeline.score_teacher.faults import FAULTS_ENV
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.job import run_score_job
 from pipeline.score_teacher.pool import ShardFailedError
 from storage_schemas import file_sha256, read_manifest
 from test_score_job import assert_same_dataset

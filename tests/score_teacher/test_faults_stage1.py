@@ -18,7 +18,9 @@ import pytest
 
 from pipeline.folders.output_folder import StorageError
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.job import run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig
 from storage_schemas import file_sha256, read_manifest
 from test_score_job import assert_same_dataset
@@ -26,7 +28,10 @@ from test_score_job import assert_same_dataset
 DRIVER = """
 import json, sys
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.ray_cluster import RayConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.job import run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig
 c = json.loads(sys.argv[1])
 run_score_job(ScoreJobConfig(teacher=TeacherConfig(**c["teacher"]), corpus=CorpusConfig(**c["corpus"]),

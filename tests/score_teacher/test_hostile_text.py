@@ -11,7 +11,9 @@ import pytest
 
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.hf import TransformersScorer
-from pipeline.score_teacher.corpus import CorpusConfig, Document, plan_shards, read_shard, resolve_sources
+from pipeline.score_teacher.corpus import CorpusConfig, Document
+from pipeline.score_teacher.shards import plan_shards, read_shard
+from pipeline.score_teacher.corpus_sources import resolve_sources
 from pipeline.score_teacher.teacher import WindowSettings, score_documents
 from pipeline.method.tokenization import load_tokenizer
 from tests.hostile_text import HOSTILE

@@ -32,7 +32,10 @@ from ray.cluster_utils import Cluster
 from pipeline.runtime.config import UserError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, RayConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.ray_cluster import RayConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.job import run_score_job
 
 c = json.loads(sys.argv[1])
 logging.basicConfig(level=logging.INFO, format="LOG %(levelname)s %(name)s: %(message)s")

@@ -20,7 +20,8 @@ import pytest
 
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
 from storage_schemas import SHARD_RE, complete_shard_files, dataset_dir, file_sha256, marker_of, read_manifest
 from storage_schemas import filesystem as sfs
 from test_faults_stage1 import _kill_group, _spawn

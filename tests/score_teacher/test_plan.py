@@ -16,7 +16,8 @@ import pytest
 
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
 from pipeline.score_teacher.plan import plan_score_job
 from pipeline.method.tokenization import load_tokenizer
 

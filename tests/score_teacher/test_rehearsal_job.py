@@ -21,7 +21,9 @@ import pytest
 from pipeline.folders.rehearsal import NOTE, RehearsalDataError
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.job import run_score_job
 from rehearsal_reference import reference_window
 from storage_schemas import read_manifest
 

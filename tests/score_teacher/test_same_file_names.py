@@ -16,7 +16,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.score_teacher.corpus import CorpusConfig, corpus_identity, plan_shards, read_shard, resolve_sources
+from pipeline.score_teacher.corpus import CorpusConfig
+from pipeline.score_teacher.shards import corpus_identity, plan_shards, read_shard
+from pipeline.score_teacher.corpus_sources import resolve_sources
 from storage_schemas import filesystem as sfs
 
 REPO = Path(__file__).resolve().parents[2]

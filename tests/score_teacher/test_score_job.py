@@ -13,7 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.score_teacher.corpus import CorpusConfig, CorpusError
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, prepare, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.prepare import prepare
+from pipeline.score_teacher.job import run_score_job
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.writer import DatasetMismatchError
 from pipeline.method.tokenization import load_tokenizer

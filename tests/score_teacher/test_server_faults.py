@@ -31,7 +31,10 @@ from pipeline.inspection.parity import compare_folders
 from pipeline.score_teacher.backends.base import ScorerConfig
 from pipeline.score_teacher.backends.server import ServerScorer
 from pipeline.score_teacher.corpus import CorpusConfig
-from pipeline.score_teacher.job import PoolConfig, ScoreJobConfig, TeacherConfig, prepare, run_score_job
+from pipeline.score_teacher.pool import PoolConfig
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+from pipeline.score_teacher.prepare import prepare
+from pipeline.score_teacher.job import run_score_job
 from pipeline.score_teacher.pool import ShardFailedError
 from pipeline.score_teacher.writer import StorageConfig
 from storage_schemas import read_manifest

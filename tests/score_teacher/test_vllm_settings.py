@@ -62,7 +62,8 @@ def test_a_full_length_window_through_the_stage1_path_is_accepted(micro_teacher)
     """Stage 1's window plan for the vllm backend on a teacher of 64 positions: windows of 63 tokens,
     and the engine's max_model_len leaves room for the output token (prepare() itself, which needs
     vLLM installed, runs against the real engine in tests/vllm_engine/test_vllm_teachers.py)."""
-    from pipeline.score_teacher.job import TeacherConfig, plan_window
+    from pipeline.score_teacher.config import TeacherConfig
+    from pipeline.score_teacher.prepare import plan_window
 
     window = plan_window(TeacherConfig(name="micro", model=str(micro_teacher)), "vllm", 64)  # window None: 64 - 1
     assert window == 63
@@ -148,7 +149,8 @@ def test_a_start_failure_is_one_line_with_the_root_cause_and_the_fix():
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_the_vllm_backend_without_vllm_is_refused_before_ray(micro_corpus, micro_teacher):
     from pipeline.score_teacher.corpus import CorpusConfig
-    from pipeline.score_teacher.job import ScoreJobConfig, TeacherConfig, prepare
+    from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig
+    from pipeline.score_teacher.prepare import prepare
 
     job = ScoreJobConfig(teacher=TeacherConfig(name="micro", model=str(micro_teacher)),
                          corpus=CorpusConfig(name="owm-micro", files=[str(f) for f in micro_corpus]),

@@ -16,7 +16,8 @@ from pipeline.runtime.config import ConfigError, UserError  # noqa: E402
 from pipeline.score_teacher.backends.base import ScorerConfig  # noqa: E402
 from pipeline.score_teacher.backends.vllm import EngineStartError, VLLMScorer  # noqa: E402
 from pipeline.score_teacher.corpus import CorpusConfig, Document  # noqa: E402
-from pipeline.score_teacher.job import ScoreJobConfig, TeacherConfig, prepare  # noqa: E402
+from pipeline.score_teacher.config import ScoreJobConfig, TeacherConfig  # noqa: E402
+from pipeline.score_teacher.prepare import prepare
 from pipeline.score_teacher.teacher import WindowSettings, score_documents  # noqa: E402
 from pipeline.method.tokenization import bos_token_id, load_tokenizer  # noqa: E402
 from tests.vllm_engine.helpers import load_model, reference_document, remove_named_log, vllm_processes  # noqa: E402
