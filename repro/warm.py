@@ -674,7 +674,7 @@ def run_study(study: WarmStudyConfig, command: str = "make repro-real") -> dict 
             sweep = [branch_run(study, work, "sweep", name, arm, lr, seed, warm, folders["train"], inputs)
                      for arm, lr, seed in sweep_runs(study, name, done)]
             done = run_all(sweep, measures, study.parallel, train)
-            if not train or len(sweep_runs(study, name, done)) == len(sweep):
+            if len(sweep_runs(study, name, done)) == len(sweep):  # a report reads the grown grids too
                 break
         rates = choose_rates(study, name, done)
         chosen = pilot(study, name, rates, done)

@@ -85,6 +85,9 @@ def test_the_warm_study_runs_end_to_end_resumes_and_never_loses_a_report(texts_d
         # a rerun trains nothing: every run is found by its recipe
         again = run_study(study)
         assert [r["seconds"] for r in again["results"]] == [r["seconds"] for r in results]
+        # a report of the finished runs reads the grids as they grew (the rates below included)
+        only = run_study(dataclasses.replace(study, report_only=True))
+        assert [r["key"] for r in only["results"]] == [r["key"] for r in results]
 
         stories = record["students"]["stories"]
         # the warm-up: 5 steps of cpt, tuning bits per byte at steps 2 and 4 (and the end), every branch from it

@@ -212,7 +212,10 @@ def test_disk_full_is_a_clear_error_and_no_shard_looks_complete(micro_teacher, m
     assert markers == shards, "every shard file on disk is a finished one with its marker"
     assert not list(out.glob(".*tmp*")), "no half-written temporary file is left"
     manifest = read_manifest(out)
-    assert not manifest["complete"] and len(manifest["shards"]) == len(markers)
+    # the manifest never lists a shard without its marker; with the disk full its last rewrite may fail
+    # (a warning), so it can lag behind the markers, which hold the truth for the next run
+    listed = {e["file"].split(".")[0] for e in manifest["shards"]}
+    assert not manifest["complete"] and listed <= markers
 
 
 def test_read_only_output_folder_is_a_clear_error(micro_teacher, micro_corpus, ray_local, tiny_filesystem):
