@@ -63,10 +63,13 @@ class WarmUpSpec:
     learning_rate: float = 2e-3
     min_learning_rate: float = 2e-4
     eval_every: int = 100
+    warmup_steps: int | None = None  # the schedule's warm-up steps; None: a 50th of ``steps``
+    cpu_threads: int = 1  # the warm-up is one run: it may use more than the branch runs' one thread
 
     def problems(self) -> list[str]:
         found: list[str] = []
         check_at_least(found, "steps", self.steps, 1)
+        check_at_least(found, "cpu_threads", self.cpu_threads, 1)
         check_at_least(found, "eval_every", self.eval_every, 1)
         if any(b <= a for a, b in zip([self.steps, *self.extensions], self.extensions)):
             found.append(f"extensions: {self.extensions} must each be more steps than the stage before")
@@ -89,6 +92,13 @@ class WarmStudent:
     micro_batch_size: int = 16
     seed: int = 0  # a new model's initialisation
     warmup: WarmUpSpec = field(default_factory=WarmUpSpec)
+    # The design's amendments for this student alone (for_student): None or empty keeps the study's.
+    arms: list[str] = field(default_factory=list)  # a subset of the study's arms; its comparisons follow
+    learning_rates: list[float] | None = None
+    rates_below: list[float] | None = None
+    rates_above: list[float] | None = None
+    branch_overrides: list[str] = field(default_factory=list)  # after the study's
+    sizing: dict = field(default_factory=dict)  # keys of the study's sizing this student sets otherwise
 
     def problems(self) -> list[str]:
         found = []
@@ -146,6 +156,15 @@ class WarmStudyConfig:
         for name in self.students_only if self.students else ():  # (built after the rest: study_config)
             if name not in self.students:
                 found.append(f"students_only: {name!r} is not one of students ({', '.join(self.students)})")
+        for name, spec in self.students.items():
+            unknown = [a for a in spec.arms if a not in self.arms]
+            if unknown:
+                found.append(f"students.{name}.arms: {', '.join(unknown)} not among the arms ({', '.join(self.arms)})")
+            if spec.learning_rates is not None and not spec.learning_rates:
+                found.append(f"students.{name}.learning_rates: empty (leave it out to use the study's)")
+            extra = set(spec.sizing) - {"delta", "power", "min_seeds", "max_seeds"}
+            if extra:
+                found.append(f"students.{name}.sizing: {', '.join(sorted(extra))} not a sizing key")
         if set(self.endpoints) != set(ENDPOINTS):
             found.append(f"endpoints: the study measures {', '.join(ENDPOINTS)}; the design names "
                          f"{', '.join(self.endpoints) or 'none'}")
@@ -161,6 +180,19 @@ class WarmStudyConfig:
 
     def chosen_students(self) -> list[str]:
         return list(self.students_only or self.students)
+
+
+def for_student(study: WarmStudyConfig, name: str) -> WarmStudyConfig:
+    """The study as student ``name`` runs it: its own arms (the comparisons among them), rates,
+    branch settings and seed bounds where the design amends them for it (conf/repro_real.yaml)."""
+    spec = study.students[name]
+    arms = {a: o for a, o in study.arms.items() if not spec.arms or a in spec.arms}
+    return dataclasses.replace(
+        study, arms=arms, comparisons=[c for c in study.comparisons if c[0] in arms and c[1] in arms],
+        learning_rates=study.learning_rates if spec.learning_rates is None else spec.learning_rates,
+        rates_below=study.rates_below if spec.rates_below is None else spec.rates_below,
+        rates_above=study.rates_above if spec.rates_above is None else spec.rates_above,
+        branch_overrides=[*study.branch_overrides, *spec.branch_overrides], sizing={**study.sizing, **spec.sizing})
 
 
 def study_config(cfg: DictConfig) -> WarmStudyConfig:
@@ -252,10 +284,10 @@ def stage2_job(overrides: list[str]):
     return job_config(compose(config_name="train_student", overrides=overrides))
 
 
-def student_overrides(name: str, spec: WarmStudent, model: Path, work: Path) -> list[str]:
+def student_overrides(name: str, spec: WarmStudent, model: Path, work: Path, threads: int = 1) -> list[str]:
     return [f"student.model={model}", f"student.name={name}", "student.embedded=false", f"student.seq_len={spec.seq_len}",
             f"train.micro_batch_size={spec.micro_batch_size}", f"data.cache_dir={work / 'cache'}",
-            "train.report_to=[]", "train.progress=false", "train.cpu_threads=1", "data.num_workers=0",
+            "train.report_to=[]", "train.progress=false", f"train.cpu_threads={threads}", "data.num_workers=0",
             "data.held_out_shards=0"]
 
 
@@ -275,10 +307,10 @@ def warmup_job(study: WarmStudyConfig, name: str, base: Path, warm_folder: str, 
     steps, folder = stages[stage]
     tune = write_jsonl(split_texts(work, "tune"), work / "corpus" / "tune.jsonl")
     return stage2_job([
-        *student_overrides(name, spec, base, work), f"data.folders=[{warm_folder}]", "data.allow_rehearsal=true",
+        *student_overrides(name, spec, base, work, w.cpu_threads), f"data.folders=[{warm_folder}]", "data.allow_rehearsal=true",
         "data.teacher=none", f"data.corpus={CORPUS_NAME}-warmup", "data.epochs=16", "data.token_ratio_bound=4.0",
         "loss.mode=cpt", f"train.max_steps={steps}", "train.lr_scheduler=wsd", f"train.learning_rate={w.learning_rate}",
-        f"train.min_learning_rate={w.min_learning_rate}", f"train.warmup_steps={max(1, w.steps // 50)}",
+        f"train.min_learning_rate={w.min_learning_rate}", f"train.warmup_steps={w.warmup_steps or max(1, w.steps // 50)}",
         f"train.eval_every={w.eval_every}", f"train.eval_texts=[{tune}]", "train.eval_max_documents=null",
         f"train.save_steps={w.eval_every}", f"train.logging_steps={max(1, w.eval_every // 5)}", "data.seed=0",
         "train.seed=0", f"output_dir={folder}", *([f"train.continue_from={stages[stage - 1][1]}"] if stage else [])])
@@ -383,6 +415,7 @@ def run_dir(work: Path, phase: str, student: str, arm: str, lr: float, seed: int
 
 def branch_run(study: WarmStudyConfig, work: Path, phase: str, student: str, arm: str, lr: float, seed: int,
                warm: Path, scored: str, inputs: str) -> BranchRun:
+    """One run of ``study`` as :func:`for_student` gives it for ``student``."""
     spec = study.students[student]
     overrides = [
         *student_overrides(student, spec, warm, work), *study.branch_overrides, *study.arms[arm],
@@ -567,8 +600,9 @@ def warmup_progress(run_folder: Path, steps: int) -> dict:
 def plan_lines(study: WarmStudyConfig, work: Path) -> list[str]:
     """Every run of the study with its state, and the time left (module docstring); reads only
     what earlier invocations wrote."""
-    lines, left, untimed = [], 0.0, []
-    for student in study.chosen_students():
+    lines, left, untimed, whole = [], 0.0, [], study
+    for student in whole.chosen_students():
+        study = for_student(whole, student)
         spec = study.students[student]
         for stage, (steps, folder) in enumerate(warmup_stages(spec, student, work)):
             w = warmup_progress(folder, steps)
@@ -658,8 +692,9 @@ def run_study(study: WarmStudyConfig, command: str = "make repro-real") -> dict 
                             median_teacher_loss(teacher))
     inputs = hashlib.sha256(json.dumps([corpus["tune_ids_sha256"], corpus["held_out_ids_sha256"],
                                         measures.threshold if measures else None]).encode()).hexdigest()[:16]
-    students, results = {}, []
-    for name in study.chosen_students():
+    students, results, whole = {}, [], study
+    for name in whole.chosen_students():
+        study = for_student(whole, name)
         spec = study.students[name]
         base = build_student(name, spec.spec(), work) if train else None
         if train:
@@ -690,7 +725,7 @@ def run_study(study: WarmStudyConfig, command: str = "make repro-real") -> dict 
             "command": command, "teacher_median_loss": measures.threshold if measures else None}
     from repro.warm_report import write_report_safely
 
-    record = write_report_safely(study, students, results, corpus, folders, meta)
+    record = write_report_safely(whole, students, results, corpus, folders, meta)
     return record
 
 

@@ -112,7 +112,10 @@ def write_report(study, students: dict, results: list[dict], corpus: dict, folde
     from storage_schemas import write_json_atomic
 
     students, folders, corpus = (_relative(x) for x in (students, folders, corpus))
-    per_student = {name: student_report(study, name, rec, results) for name, rec in students.items()}
+    from repro.warm import for_student
+
+    views = {name: for_student(study, name) for name in students}  # each student's arms, rates and seeds
+    per_student = {name: student_report(views[name], name, rec, results) for name, rec in students.items()}
     design = {k: v for k, v in asdict(study).items() if k not in ("realtext_dir", "work_dir", "report_dir", "artifacts_dir")}
     design["students"] = {k: recorded_student(v) for k, v in design["students"].items()}
     record = {**meta, "design": design,
@@ -131,7 +134,7 @@ def write_report(study, students: dict, results: list[dict], corpus: dict, folde
              f"Reproduce: `{meta['command']}` (finished runs are kept; `make repro-real ARGS=\"plan=true\"` lists them).",
              ""]
     for name, rec in students.items():
-        lines += _student_lines(study, name, rec, per_student[name], plotted, results)
+        lines += _student_lines(views[name], name, rec, per_student[name], plotted, results)
     lines += ["## Corpus", "", "| split | source | documents | characters | licenses |", "|---|---|---|---|---|"]
     for split in ("warmup", "tune", "train", "held_out"):
         for source, s in sorted(corpus.get(split, {}).items()):
@@ -171,7 +174,16 @@ def _sweep_means(results: list[dict], name: str, arm: str) -> dict[str, tuple[fl
 def _student_lines(study, name: str, rec: dict, analysis: dict, plotted: bool,
                    results: list[dict] = ()) -> list[str]:
     w = rec["warmup"]
-    lines = [f"## {name}", "", "### Warm-up", ""]
+    lines = [f"## {name}", ""]
+    spec = study.students[name]
+    spec = spec if isinstance(spec, dict) else asdict(spec)
+    amended = [f"{label}: {value}" for label, value in (
+        ("arms", ", ".join(spec.get("arms") or [])), ("learning rates", spec.get("learning_rates")),
+        ("rates below", spec.get("rates_below")), ("rates above", spec.get("rates_above")),
+        ("branch settings", " ".join(spec.get("branch_overrides") or [])), ("seeds", spec.get("sizing"))) if value]
+    if amended:
+        lines += ["The design's settings for this student alone (conf/repro_real.yaml): " + "; ".join(amended) + ".", ""]
+    lines += ["### Warm-up", ""]
     if not w["stages"]:
         return lines + ["Not started.", ""]
     lines += [f"Plain cpt on the warm-up text, warm-up-stable-decay at peak rate {w['learning_rate']:g}; the "
