@@ -186,3 +186,31 @@ def test_an_arm_whose_best_rate_is_on_an_edge_tries_the_next_rate_out():
         "tune_means": {"3e-05": 0.8, "0.0001": 0.9, "0.0003": 1.0, "0.001": 1.1, "0.003": 1.2}}
     assert arm_grid(study, "s", "a", runs({3e-4: 1.2, 1e-3: 1.1, 3e-3: 1.0})) == [3e-4, 1e-3, 3e-3, 1e-2]
     assert "a" not in choose_rates(study, "s", runs(low, seeds=(0,)))  # one seed of two: not finished
+
+
+def test_a_student_amends_the_design_for_itself_alone():
+    """for_student, worked by hand: a student's arms keep only the comparisons among them; its rates,
+    edges and seed bounds replace the study's; its branch settings come after the study's; a student
+    without amendments runs the study as it is; an arm or sizing key that does not exist is refused."""
+    from repro.warm import WarmStudent, WarmStudyConfig, for_student
+
+    arms = {"cpt": ["loss.mode=cpt"], "guided": ["loss.mode=guided"], "per_seq": ["loss.rank_over=sequence"]}
+    study = WarmStudyConfig(
+        learning_rates=[3e-4, 1e-3], rates_below=[1e-4], rates_above=[1e-2], sweep_seeds=[0, 1], arms=arms,
+        comparisons=[["guided", "cpt", -1], ["guided", "per_seq", -1]], branch_overrides=["a=1"],
+        sizing={"delta": 0.005, "power": 0.8, "min_seeds": 5, "max_seeds": 10},
+        students={"plain": WarmStudent(tokenizer="t"),
+                  "amended": WarmStudent(tokenizer="t", arms=["cpt", "guided"], learning_rates=[3e-5],
+                                         rates_below=[], branch_overrides=["b=2"], sizing={"max_seeds": 6})})
+    plain = for_student(study, "plain")
+    assert (plain.arms, plain.comparisons, plain.learning_rates, plain.branch_overrides, plain.sizing) == (
+        study.arms, study.comparisons, study.learning_rates, study.branch_overrides, study.sizing)
+    amended = for_student(study, "amended")
+    assert list(amended.arms) == ["cpt", "guided"]
+    assert amended.comparisons == [["guided", "cpt", -1]]
+    assert (amended.learning_rates, amended.rates_below, amended.rates_above) == ([3e-5], [], [1e-2])
+    assert amended.branch_overrides == ["a=1", "b=2"]
+    assert amended.sizing == {"delta": 0.005, "power": 0.8, "min_seeds": 5, "max_seeds": 6}
+    wrong = dataclasses.replace(study, students={"x": WarmStudent(tokenizer="t", arms=["nope"], sizing={"seeds": 3})})
+    problems = wrong.problems()
+    assert any("students.x.arms: nope" in p for p in problems) and any("students.x.sizing: seeds" in p for p in problems)
