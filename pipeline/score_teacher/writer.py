@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.runtime.config import check_choice, refuse
-from pipeline.folders.output_folder import SetAside
+from pipeline.folders.output_folder import SetAside, storage_error
 from pipeline.score_teacher.teacher import ScoredDocument, ShardResult
 from pipeline.folders.shard_folder import (  # noqa: F401  (DatasetMismatchError, finished_shards, remove_unreferenced: stage 1's API)
     DatasetMismatchError,
@@ -277,5 +277,11 @@ def write_manifest(
     if rehearsal:
         extra["rehearsal"] = rehearsal
     manifest = manifest_of(SCORED, identity, done, n_planned, totals, code_version=code_version, **extra)
-    write_json_atomic(sfs.child(folder, MANIFEST_NAME), manifest)
+    try:
+        write_json_atomic(sfs.child(folder, MANIFEST_NAME), manifest)
+    except OSError as exc:  # a full or read-only disk: one clear line, as a shard's write gives it
+        storage = storage_error(exc, f"{sfs.child(folder, MANIFEST_NAME)} could not be written")
+        if storage is None:
+            raise
+        raise storage from None
     return manifest

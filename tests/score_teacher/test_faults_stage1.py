@@ -205,7 +205,9 @@ def tiny_filesystem(tmp_path):
 
 def test_disk_full_is_a_clear_error_and_no_shard_looks_complete(micro_teacher, micro_corpus, ray_local, tiny_filesystem):
     out = tiny_filesystem(300) / "ds"
-    with pytest.raises(StorageError, match=r"shard \d+ could not be written: No space left on device.*free space there"):
+    # whichever write meets the full disk first, a shard's or the manifest's periodic rewrite, says so in one line
+    with pytest.raises(StorageError, match=r"(shard \d+|manifest\.json) could not be written: No space left on device"
+                                           r".*free space there"):
         run_score_job(_config(micro_teacher, micro_corpus, out))
     markers = {p.name.split(".")[0] for p in out.glob("shard-*.done.json")}
     shards = {p.name.split(".")[0] for p in out.glob("shard-*.parquet")}
@@ -216,6 +218,32 @@ def test_disk_full_is_a_clear_error_and_no_shard_looks_complete(micro_teacher, m
     # (a warning), so it can lag behind the markers, which hold the truth for the next run
     listed = {e["file"].split(".")[0] for e in manifest["shards"]}
     assert not manifest["complete"] and listed <= markers
+
+
+def test_a_manifest_that_meets_a_full_disk_is_a_clear_error_and_the_old_one_stays(tiny_filesystem):
+    """The manifest's rewrite (periodic, or at the end) on a disk that is full: the one-line storage
+    error naming manifest.json, and the manifest written before is left whole (it was a bare OSError)."""
+    from pipeline.score_teacher.writer import write_manifest
+
+    out = tiny_filesystem(64) / "ds"
+    out.mkdir()
+    identity = {"corpus": {"n_shards": 2}}
+    entry = {"index": 0, "file": "shard-00000.parquet", "rows": 1, "tokens": 5, "bytes": 9, "reasons": {}}
+    write_manifest(out, identity, {0: entry}, 2)
+    before = (out / "manifest.json").read_bytes()
+    fd = os.open(out / "filler", os.O_WRONLY | os.O_CREAT)  # fill the disk to its last block, unbuffered
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    big = {i: {**entry, "index": i, "file": f"shard-{i:05d}.parquet", "reasons": {f"r{i}": 1}} for i in range(400)}
+    with pytest.raises(StorageError, match=r"manifest\.json could not be written: No space left on device.*free space there"):
+        write_manifest(out, identity, big, 400)
+    assert (out / "manifest.json").read_bytes() == before
+    assert not list(out.glob(".*tmp*")), "no half-written temporary file is left"
 
 
 def test_read_only_output_folder_is_a_clear_error(micro_teacher, micro_corpus, ray_local, tiny_filesystem):
