@@ -725,7 +725,8 @@ def run_study(study: WarmStudyConfig, command: str = "make repro-real") -> dict 
             "command": command, "teacher_median_loss": measures.threshold if measures else None}
     from repro.warm_report import write_report_safely
 
-    record = write_report_safely(whole, students, results, corpus, folders, meta)
+    record = write_report_safely(whole, students, results, corpus, folders, meta,
+                                 views={name: for_student(whole, name) for name in students})
     return record
 
 

@@ -95,26 +95,26 @@ def finished_runs(report_json: Path) -> int:
         return 0
 
 
-def write_report_safely(study, students: dict, results: list[dict], corpus: dict, folders: dict, meta: dict) -> dict:
+def write_report_safely(study, students: dict, results: list[dict], corpus: dict, folders: dict, meta: dict,
+                        views: dict | None = None) -> dict:
     """Write the report to ``report_dir``, unless the report there holds more finished runs: then
-    to ``report_dir/partial`` (module docstring), with a line saying so."""
+    to ``report_dir/partial`` (module docstring), with a line saying so. ``views``: each student's
+    study as it ran it (``repro.warm.for_student``; the study itself where not given)."""
     target = Path(to_absolute_path(study.report_dir))
     held = finished_runs(target / "report.json")
     if len(results) < held:
         target = target / PARTIAL
         print(f"the report in {study.report_dir} holds {held} finished runs, this one {len(results)}: "
               f"it stays as it is; this report goes to {target}", flush=True)
-    return write_report(study, students, results, corpus, folders, meta, target)
+    return write_report(study, students, results, corpus, folders, meta, target, views)
 
 
 def write_report(study, students: dict, results: list[dict], corpus: dict, folders: dict, meta: dict,
-                 target: Path) -> dict:
+                 target: Path, views: dict | None = None) -> dict:
     from storage_schemas import write_json_atomic
 
     students, folders, corpus = (_relative(x) for x in (students, folders, corpus))
-    from repro.warm import for_student
-
-    views = {name: for_student(study, name) for name in students}  # each student's arms, rates and seeds
+    views = {name: (views or {}).get(name, study) for name in students}  # each student's arms, rates and seeds
     per_student = {name: student_report(views[name], name, rec, results) for name, rec in students.items()}
     design = {k: v for k, v in asdict(study).items() if k not in ("realtext_dir", "work_dir", "report_dir", "artifacts_dir")}
     design["students"] = {k: recorded_student(v) for k, v in design["students"].items()}
