@@ -131,7 +131,9 @@ def write_report(study, students: dict, results: list[dict], corpus: dict, folde
              "t interval at 95% of a - b; `holds` when it excludes 0 on the claimed side, `does not hold` on the "
              "other, `inconclusive` otherwise. Design (committed before the runs): conf/repro_real.yaml; method and "
              "reading: docs/real-models.md.", "",
-             f"Reproduce: `{meta['command']}` (finished runs are kept; `make repro-real ARGS=\"plan=true\"` lists them).",
+             f"Reproduce: `{meta['command']}` (finished runs are kept; `make repro-real ARGS=\"plan=true\"` lists them)."
+             + (" Written from the finished runs; the command that trains them is the same without report_only."
+                if "report_only=true" in meta["command"] else ""),
              ""]
     for name, rec in students.items():
         lines += _student_lines(views[name], name, rec, per_student[name], plotted, results)
