@@ -63,7 +63,6 @@ class WarmUpSpec:
     learning_rate: float = 2e-3
     min_learning_rate: float = 2e-4
     eval_every: int = 100
-    warmup_steps: int | None = None  # the schedule's warm-up steps; None: a 50th of ``steps``
     cpu_threads: int = 1  # the warm-up is one run: it may use more than the branch runs' one thread
 
     def problems(self) -> list[str]:
@@ -310,7 +309,7 @@ def warmup_job(study: WarmStudyConfig, name: str, base: Path, warm_folder: str, 
         *student_overrides(name, spec, base, work, w.cpu_threads), f"data.folders=[{warm_folder}]", "data.allow_rehearsal=true",
         "data.teacher=none", f"data.corpus={CORPUS_NAME}-warmup", "data.epochs=16", "data.token_ratio_bound=4.0",
         "loss.mode=cpt", f"train.max_steps={steps}", "train.lr_scheduler=wsd", f"train.learning_rate={w.learning_rate}",
-        f"train.min_learning_rate={w.min_learning_rate}", f"train.warmup_steps={w.warmup_steps or max(1, w.steps // 50)}",
+        f"train.min_learning_rate={w.min_learning_rate}", f"train.warmup_steps={max(1, w.steps // 50)}",
         f"train.eval_every={w.eval_every}", f"train.eval_texts=[{tune}]", "train.eval_max_documents=null",
         f"train.save_steps={w.eval_every}", f"train.logging_steps={max(1, w.eval_every // 5)}", "data.seed=0",
         "train.seed=0", f"output_dir={folder}", *([f"train.continue_from={stages[stage - 1][1]}"] if stage else [])])

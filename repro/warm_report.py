@@ -178,12 +178,10 @@ def _student_lines(study, name: str, rec: dict, analysis: dict, plotted: bool,
     w = rec["warmup"]
     lines = [f"## {name}", ""]
     spec = study.students[name]
-    spec = spec if isinstance(spec, dict) else asdict(spec)
     amended = [f"{label}: {value}" for label, value in (
-        ("arms", ", ".join(spec.get("arms") or [])), ("learning rates", spec.get("learning_rates")),
-        ("rates below", spec.get("rates_below")), ("rates above", spec.get("rates_above")),
-        ("branch settings", " ".join(spec.get("branch_overrides") or [])),
-        ("seeds", ", ".join(f"{k} {v}" for k, v in (spec.get("sizing") or {}).items()))) if value]
+        ("arms", ", ".join(spec.arms)), ("learning rates", spec.learning_rates), ("rates below", spec.rates_below),
+        ("rates above", spec.rates_above), ("branch settings", " ".join(spec.branch_overrides)),
+        ("seeds", ", ".join(f"{k} {v}" for k, v in spec.sizing.items()))) if value]
     if amended:
         lines += ["The design's settings for this student alone (conf/repro_real.yaml): " + "; ".join(amended) + ".", ""]
     lines += ["### Warm-up", ""]
@@ -202,7 +200,7 @@ def _student_lines(study, name: str, rec: dict, analysis: dict, plotted: bool,
                      + (f" (steps {st['from_step']}-{st['to_step']}: {st['relative_improvement']:.2%} better)"
                         if st.get("from_step") is not None else ""))
     unflat = " It did not flatten and the design has no further stage: the branch starts from it anyway." \
-        if w["finished"] and w["flattened"] is False else ""
+        if w["finished"] and w["flattened"] is False and len(w["stages"]) == 1 + len(spec.warmup.extensions) else ""
     lines += ["", f"Every arm branches from {w['final']} (tuning bits per byte {w['curve'][-1]['bits_per_byte']:.4f})."
               + unflat if w["finished"] else "The warm-up has not finished: no branch has started.", ""]
     if plotted:
